@@ -1,0 +1,1 @@
+"""costd: the billing daemon — OTLP receiver → usage processor → idempotent ledger, behind CostService."""

@@ -1,0 +1,72 @@
+"""The OTLP trace receiver: OpenTelemetry's TraceService/Export, feeding spans into the pipeline.
+
+It answers per the OTLP spec: spans that can never be billed are counted in partial_success
+(the sender must not retry them), while a ledger that may recover later answers UNAVAILABLE,
+which OTLP senders retry with backoff — so an acknowledged export is always in the ledger.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from costd.pipeline import Consumer, PermanentError, Rejection, RetryableError
+
+log = logging.getLogger(__name__)
+
+# Enough reasons to find the broken sender, few enough to keep the response small.
+MAX_REASONS_IN_MESSAGE = 5
+
+
+def spans_of(request: trace_service_pb2.ExportTraceServiceRequest) -> list[Span]:
+    return [span
+            for resource_spans in request.resource_spans
+            for scope_spans in resource_spans.scope_spans
+            for span in scope_spans.spans]
+
+
+def partial_success(
+        rejections: Sequence[Rejection]) -> trace_service_pb2.ExportTracePartialSuccess | None:
+    if not rejections:
+        return None
+    reasons = "; ".join(str(r) for r in rejections[:MAX_REASONS_IN_MESSAGE])
+    if len(rejections) > MAX_REASONS_IN_MESSAGE:
+        reasons += f"; and {len(rejections) - MAX_REASONS_IN_MESSAGE} more"
+    return trace_service_pb2.ExportTracePartialSuccess(
+        rejected_spans=len(rejections), error_message=f"rejected usage spans: {reasons}")
+
+
+class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """Converts an Export call into one batch for the next stage and its answer back."""
+
+    def __init__(self, next_consumer: Consumer[Sequence[Span]]) -> None:
+        self._next = next_consumer
+
+    async def start(self) -> None:
+        pass  # The gRPC server that carries this servicer is owned by costd's app.
+
+    async def shutdown(self) -> None:
+        pass
+
+    async def Export(self, request: trace_service_pb2.ExportTraceServiceRequest,
+                     context: grpc.aio.ServicerContext
+                     ) -> trace_service_pb2.ExportTraceServiceResponse:
+        try:
+            rejections = await self._next.consume(spans_of(request))
+        except RetryableError as error:
+            log.warning("export refused, sender will retry: %s", error)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        except PermanentError as error:
+            log.error("export dropped: %s", error)
+            await context.abort(grpc.StatusCode.INTERNAL, str(error))
+        except Exception:
+            # A bug must cost at most this batch, never the daemon and the batches after it.
+            log.exception("export failed")
+            await context.abort(grpc.StatusCode.INTERNAL, "costd failed to process the export")
+        if rejections:
+            log.warning("rejected %d usage spans: %s", len(rejections), rejections[0])
+        return trace_service_pb2.ExportTraceServiceResponse(
+            partial_success=partial_success(rejections))

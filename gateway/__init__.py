@@ -1,0 +1,1 @@
+"""The front door: auth, validation, tokenization, classification, admission, enqueue, relay."""

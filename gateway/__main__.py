@@ -1,0 +1,56 @@
+"""python -m gateway: the public GatewayService."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+import redis.asyncio as aioredis
+
+from gateway.frontend import Frontend, FrontendConfig
+from gateway.servicer import GatewayServicer
+from gateway.tenants import TenantBook
+from gateway.validation import ServedModel
+from llmmesh import server, telemetry
+from llmmesh.models import DEFAULT_MODEL, read_context_length, resolve_model
+from llmmesh.tokenizer import Tokenizer
+from llmmesh.v1 import gateway_pb2, gateway_pb2_grpc
+
+
+def _args() -> argparse.Namespace:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="python -m gateway")
+    p.add_argument("--listen", default=env("LLMMESH_GATEWAY_LISTEN", "127.0.0.1:50051"))
+    p.add_argument("--redis-url", default=env("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--otlp-endpoint", default=env("LLMMESH_OTLP_ENDPOINT"))
+    p.add_argument("--tenants", default=env("LLMMESH_TENANTS_FILE", "config/tenants.toml"))
+    p.add_argument("--model", default=env("LLMMESH_MODEL", DEFAULT_MODEL))
+    p.add_argument("--quantization", default=env("LLMMESH_QUANTIZATION", "fp32"))
+    p.add_argument("--block-size", type=int, default=int(env("LLMMESH_BLOCK_SIZE", "16")))
+    return p.parse_args()
+
+
+async def main() -> None:
+    args = _args()
+    server.configure_logging("gateway")
+    tracer = telemetry.setup_tracing("llmmesh-gateway", args.otlp_endpoint)
+    spec = resolve_model(args.model)
+    model = ServedModel(spec.name, read_context_length(spec.gguf_path), args.quantization,
+                        Tokenizer.from_gguf(spec.gguf_path))
+    redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True,
+                                    socket_connect_timeout=2.0, health_check_interval=10)
+    frontend = Frontend(redis, FrontendConfig(block_size=args.block_size), tracer)
+    servicer = GatewayServicer(frontend, TenantBook(args.tenants), {model.name: model}, model.name)
+
+    async def close():
+        await redis.aclose()
+        telemetry.shutdown_tracing()
+
+    await server.serve(server.ServiceSpec(
+        servicers=[(gateway_pb2_grpc.add_GatewayServiceServicer_to_server, servicer)],
+        service_names=[gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name],
+        on_shutdown=[close]), args.listen)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,140 @@
+"""The gateway's transport-free core: admit a validated request, enqueue it, relay its results."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from gateway.tenants import Tenant
+from gateway.validation import ValidRequest
+from llmmesh import queue, telemetry
+from llmmesh.errors import (AlreadyExists, DeadlineExceeded, ResourceExhausted, Unavailable,
+                            error_from_code)
+from llmmesh.prefix_hash import block_hashes
+from llmmesh.tokenizer import IncrementalDetokenizer
+
+# How long one XREAD blocks; bounds how late a deadline or a dead Redis is noticed.
+_POLL_BLOCK_MS = 500
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendConfig:
+    block_size: int = 16
+    max_queue_len: int = 10_000  # per class; beyond it new requests are refused, not dropped
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.max_queue_len <= 0:
+            raise ValueError("block_size and max_queue_len must be positive")
+
+
+@dataclass(slots=True)
+class TokensOut:
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class FinalOut:
+    request_id: str
+    request_class: str
+    finish_reason: str
+    usage: dict
+
+
+class Frontend:
+    def __init__(self, redis: aioredis.Redis, config: FrontendConfig, tracer):
+        self.redis = redis
+        self.config = config
+        self.tracer = tracer
+
+    async def generate(self, tenant: Tenant, req: ValidRequest,
+                       deadline_unix_ns: int) -> AsyncIterator[TokensOut | FinalOut]:
+        request_class = tenant.cap_class(req.requested_class)
+        with self.tracer.start_as_current_span("gateway generate") as span:
+            span.set_attributes({
+                telemetry.OPERATION: "text_completion", telemetry.REQUEST_MODEL: req.model.name,
+                telemetry.TENANT_ID: tenant.tenant_id, telemetry.REQUEST_ID: req.request_id,
+                telemetry.REQUEST_CLASS: request_class})
+            entry = self._entry(tenant, req, request_class, deadline_unix_ns)
+            try:
+                await self._enqueue(entry)
+                async for out in self._relay(req, request_class, deadline_unix_ns):
+                    if isinstance(out, FinalOut):
+                        span.set_attributes({
+                            telemetry.INPUT_TOKENS: out.usage.get("prompt_tokens", 0),
+                            telemetry.OUTPUT_TOKENS: out.usage.get("completion_tokens", 0)})
+                    yield out
+            except RedisError as exc:
+                raise Unavailable(f"queue store unavailable ({type(exc).__name__}); retry") from exc
+
+    def _entry(self, tenant: Tenant, req: ValidRequest, request_class: str,
+               deadline_unix_ns: int) -> queue.QueueEntry:
+        # The salt comes from the tenant's configured scope, never from the client.
+        salt = f"scope:{tenant.cache_scope}"
+        return queue.QueueEntry(
+            request_id=req.request_id, tenant_id=tenant.tenant_id, request_class=request_class,
+            model=req.model.name, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
+            cache_salt=salt,
+            block_hashes=block_hashes(req.prompt_token_ids, self.config.block_size, salt),
+            deadline_unix_ns=deadline_unix_ns, enqueued_unix_ns=time.time_ns(),
+            traceparent=telemetry.inject_traceparent())
+
+    async def _enqueue(self, entry: queue.QueueEntry) -> None:
+        stream = queue.queue_stream(entry.request_class)
+        if await self.redis.xlen(stream) >= self.config.max_queue_len:
+            raise ResourceExhausted(f"{entry.request_class} queue is full", retry_after_s=2.0)
+        # One result stream per request id: claiming the id keeps two requests (or two
+        # tenants) from ever sharing a stream.
+        claimed = await self.redis.set(f"{queue.PREFIX}:req:{{{entry.request_id}}}",
+                                       entry.tenant_id, nx=True, ex=queue.RESULT_TTL_S)
+        if not claimed:
+            raise AlreadyExists(f"request_id {entry.request_id!r} was already used")
+        await self.redis.xadd(stream, entry.encode())
+
+    async def _relay(self, req: ValidRequest, request_class: str,
+                     deadline_unix_ns: int) -> AsyncIterator[TokensOut | FinalOut]:
+        detok = IncrementalDetokenizer(req.model.tokenizer)
+        stream, last_id, finished, next_index = queue.result_stream(req.request_id), "0-0", False, 0
+        try:
+            while True:
+                if deadline_unix_ns and time.time_ns() > deadline_unix_ns:
+                    raise DeadlineExceeded("deadline passed before the request finished")
+                reply = await self.redis.xread({stream: last_id}, count=64, block=_POLL_BLOCK_MS)
+                for _, entries in reply or ():
+                    for entry_id, fields in entries:
+                        last_id = entry_id
+                        event = queue.decode_event(fields)
+                        if event["kind"] == "tokens":
+                            next_index = event["index"] + len(event["ids"])
+                            yield TokensOut(event["index"], event["ids"], detok.push(event["ids"]),
+                                            event.get("logprobs", []))
+                        elif event["kind"] == "final":
+                            finished = True
+                            tail = detok.flush()
+                            if tail:
+                                yield TokensOut(next_index, [], tail)
+                            yield FinalOut(req.request_id, request_class,
+                                           event["finish_reason"], event["usage"])
+                            return
+                        else:
+                            finished = True
+                            raise error_from_code(event["code"], event["message"])
+        finally:
+            if not finished:
+                await self._cancel(req.request_id)
+
+    async def _cancel(self, request_id: str) -> None:
+        # Runs while the client call is being torn down: never let it raise.
+        with contextlib.suppress(RedisError, asyncio.CancelledError):
+            await asyncio.shield(self._publish_cancel(request_id))
+
+    async def _publish_cancel(self, request_id: str) -> None:
+        await self.redis.set(queue.cancel_key(request_id), "1", ex=queue.RESULT_TTL_S)
+        await self.redis.publish(queue.CANCEL_CHANNEL, request_id)

@@ -1,0 +1,70 @@
+"""GatewayService: converts proto <-> domain at the edge; the work happens in Frontend."""
+from __future__ import annotations
+
+import time
+
+from gateway.frontend import FinalOut, Frontend
+from gateway.tenants import TenantBook
+from gateway.validation import ServedModel, validate
+from llmmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
+           "abort": common_pb2.FINISH_REASON_CANCELLED, "cancelled": common_pb2.FINISH_REASON_CANCELLED}
+_CLASS = {"interactive": common_pb2.REQUEST_CLASS_INTERACTIVE, "batch": common_pb2.REQUEST_CLASS_BATCH}
+
+
+def _final_proto(out: FinalOut) -> gateway_pb2.GenerateFinal:
+    u = out.usage
+    return gateway_pb2.GenerateFinal(
+        finish_reason=_FINISH.get(out.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED),
+        request_id=out.request_id, request_class=_CLASS[out.request_class],
+        usage=common_pb2.Usage(
+            prompt_tokens=u.get("prompt_tokens", 0), cached_prompt_tokens=u.get("cached_prompt_tokens", 0),
+            completion_tokens=u.get("completion_tokens", 0),
+            prefill_device_seconds=u.get("prefill_device_s", 0.0),
+            decode_device_seconds=u.get("decode_device_s", 0.0), queue_seconds=u.get("queue_s", 0.0)))
+
+
+def _deadline_unix_ns(context) -> int:
+    remaining = context.time_remaining()
+    return 0 if remaining is None else time.time_ns() + int(remaining * 1e9)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(self, frontend: Frontend, tenants: TenantBook, models: dict[str, ServedModel],
+                 default_model: str):
+        self.frontend = frontend
+        self.tenants = tenants
+        self.models = models
+        self.default_model = default_model
+
+    async def _events(self, request, context):
+        tenant = self.tenants.authenticate(context.invocation_metadata())
+        valid = validate(request, self.models, self.default_model)
+        async for out in self.frontend.generate(tenant, valid, _deadline_unix_ns(context)):
+            yield out
+
+    async def Generate(self, request, context):
+        async for out in self._events(request, context):
+            if isinstance(out, FinalOut):
+                yield gateway_pb2.GenerateResponse(final=_final_proto(out))
+            else:
+                yield gateway_pb2.GenerateResponse(chunk=gateway_pb2.TokenChunk(
+                    index=out.index, token_ids=out.token_ids, text=out.text, logprobs=out.logprobs))
+
+    async def Complete(self, request, context):
+        text, token_ids, final = [], [], None
+        async for out in self._events(request.request, context):
+            if isinstance(out, FinalOut):
+                final = _final_proto(out)
+            else:
+                text.append(out.text)
+                token_ids.extend(out.token_ids)
+        return gateway_pb2.CompleteResponse(text="".join(text), token_ids=token_ids, final=final)
+
+    async def ListModels(self, request, context):
+        self.tenants.authenticate(context.invocation_metadata())
+        return gateway_pb2.ListModelsResponse(models=[
+            gateway_pb2.ModelInfo(name=m.name, context_length=m.context_length,
+                                  quantization=m.quantization)
+            for m in self.models.values()])

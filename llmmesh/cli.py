@@ -1,0 +1,141 @@
+"""The `llmmesh` command: up, generate, usage, hash-key."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+import grpc
+import typer
+
+from llmmesh.v1 import common_pb2, cost_pb2, cost_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="llmmesh: a multi-tenant LLM inference mesh.")
+
+DEMO_KEYS = {"acme": "llmmesh-demo-acme", "globex": "llmmesh-demo-globex"}
+
+
+def _port_free(address: str) -> bool:
+    import socket
+    host, port = address.rsplit(":", 1)
+    with socket.socket() as s:
+        return s.connect_ex((host, int(port))) != 0
+
+
+@app.command()
+def up(workers: int = typer.Option(1, help="worker processes"),
+       gateway: str = typer.Option("127.0.0.1:50051", help="gateway listen address"),
+       costd: str = typer.Option("127.0.0.1:50055", help="costd listen address"),
+       var_dir: str = typer.Option("var", help="ledger, logs and redis files")) -> None:
+    """Start redis (unless REDIS_URL is set), costd, workers, router and gateway; Ctrl-C stops all."""
+    from llmmesh.launcher import Mesh
+    for name, address in (("gateway", gateway), ("costd", costd)):
+        if not _port_free(address):
+            typer.echo(f"{address} is in use; pass --{name} HOST:PORT", err=True)
+            raise typer.Exit(2)
+    mesh = Mesh(var_dir=os.path.abspath(var_dir), redis_url=os.environ.get("REDIS_URL"))
+    stop = asyncio.Event()
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        typer.echo("starting the mesh (the worker loads the model; logs in "
+                   f"{mesh.log_dir}) ...")
+        await mesh.up(num_workers=workers, gateway_listen=gateway, costd_listen=costd)
+        _print_ready(mesh)
+        while not stop.is_set():
+            dead = [p.name for p in mesh.procs.values() if not p.alive()]
+            if dead:
+                typer.echo(f"{', '.join(dead)} exited; stopping the mesh (see {mesh.log_dir})", err=True)
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+
+    try:
+        asyncio.run(run())
+    finally:
+        typer.echo("stopping every process ...")
+        mesh.down()
+        typer.echo("stopped.")
+
+
+def _print_ready(mesh) -> None:
+    gw, cd = mesh.procs["gateway"].address, mesh.procs["costd"].address
+    typer.echo(f"\nllmmesh is up.\n  gateway  {gw}\n  costd    {cd}\n  redis    {mesh.redis_url}")
+    for tenant, key in DEMO_KEYS.items():
+        typer.echo(f"  tenant {tenant:<7} API key {key}")
+    typer.echo("\nTry:\n"
+               f"  .venv/bin/llmmesh generate --gateway {gw} --api-key {DEMO_KEYS['acme']} "
+               "\"What is the capital of France?\"\n"
+               f"  .venv/bin/llmmesh usage --costd {cd} --tenant acme\n\nCtrl-C stops everything.")
+
+
+@app.command()
+def generate(prompt: str,
+             gateway: str = typer.Option("127.0.0.1:50051", help="gateway address"),
+             api_key: str = typer.Option(..., envvar="LLMMESH_API_KEY", help="tenant API key"),
+             batch: bool = typer.Option(False, "--batch", help="send as a batch-class request"),
+             raw: bool = typer.Option(False, "--raw", help="send the prompt as is, without the chat template"),
+             max_tokens: int = typer.Option(128, help="maximum tokens to generate"),
+             temperature: float = typer.Option(0.0, help="0 = greedy"),
+             model: str = typer.Option("", help="model name (default: the gateway's default)")) -> None:
+    """Stream a completion to stdout; usage goes to stderr."""
+    req = gateway_pb2.GenerateRequest(
+        model=model, sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature),
+        request_class=common_pb2.REQUEST_CLASS_BATCH if batch else common_pb2.REQUEST_CLASS_INTERACTIVE)
+    if raw:
+        req.prompt = prompt
+    else:
+        req.messages.add(role="user", content=prompt)
+    with grpc.insecure_channel(gateway) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        try:
+            for msg in stub.Generate(req, metadata=(("authorization", f"Bearer {api_key}"),)):
+                if msg.HasField("chunk"):
+                    sys.stdout.write(msg.chunk.text)
+                    sys.stdout.flush()
+                else:
+                    u = msg.final.usage
+                    sys.stdout.write("\n")
+                    typer.echo(f"[{msg.final.request_id}] prompt_tokens={u.prompt_tokens} "
+                               f"cached={u.cached_prompt_tokens} completion_tokens={u.completion_tokens} "
+                               f"finish={common_pb2.FinishReason.Name(msg.final.finish_reason)}", err=True)
+        except grpc.RpcError as exc:
+            typer.echo(f"\nerror: {exc.code().name}: {exc.details()}", err=True)
+            raise typer.Exit(1)
+
+
+@app.command()
+def usage(tenant: str = typer.Option(..., help="tenant id"),
+          costd: str = typer.Option("127.0.0.1:50055", help="costd address")) -> None:
+    """Print a tenant's billed tokens."""
+    with grpc.insecure_channel(costd) as channel:
+        try:
+            r = cost_pb2_grpc.CostServiceStub(channel).GetUsage(
+                cost_pb2.GetUsageRequest(tenant_id=tenant), timeout=10)
+        except grpc.RpcError as exc:
+            typer.echo(f"error: {exc.code().name}: {exc.details()}", err=True)
+            raise typer.Exit(1)
+    typer.echo(f"tenant {r.tenant_id}: requests={r.requests} prompt_tokens={r.prompt_tokens} "
+               f"cached_prompt_tokens={r.cached_prompt_tokens} completion_tokens={r.completion_tokens} "
+               f"prefill_device_s={r.prefill_device_seconds:.3f} decode_device_s={r.decode_device_seconds:.3f}")
+
+
+@app.command("hash-key")
+def hash_key(api_key: str) -> None:
+    """Print the SHA-256 digest to put in the tenants file for a new API key."""
+    import hashlib
+    typer.echo(hashlib.sha256(api_key.encode()).hexdigest())
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

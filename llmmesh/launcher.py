@@ -1,0 +1,130 @@
+"""Starts the whole mesh as local processes (`llmmesh up`, end-to-end tests) and stops it cleanly."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from llmmesh.server import wait_serving
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_redis_server() -> str:
+    path = shutil.which("redis-server") or next(
+        (p for p in ("/usr/bin/redis-server", "/usr/local/bin/redis-server") if os.path.exists(p)), None)
+    if path is None:
+        raise FileNotFoundError("redis-server not found; install it with: "
+                                "sudo apt-get update && sudo apt-get install -y redis-server")
+    return path
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    address: str | None = None
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+@dataclass
+class Mesh:
+    """The processes of one local mesh. Tests reach into `procs` to kill and restart parts."""
+
+    var_dir: str
+    redis_url: str | None = None
+    worker_args: list[str] = field(default_factory=list)
+    procs: dict[str, Proc] = field(default_factory=dict)
+    log_dir: str = ""
+
+    def __post_init__(self):
+        os.makedirs(self.var_dir, exist_ok=True)
+        self.log_dir = self.log_dir or os.path.join(self.var_dir, "logs")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                    "PYTHONUNBUFFERED": "1"}
+
+    def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
+        return subprocess.Popen(argv, cwd=REPO_ROOT, env={**self.env, **(env or {})},
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def start_redis(self) -> str:
+        port = free_port()
+        argv = [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", self.var_dir]
+        self.procs["redis"] = Proc("redis", self._spawn("redis", argv), f"127.0.0.1:{port}")
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        return self.redis_url
+
+    def start_service(self, name: str, module: str, extra: list[str] | None = None,
+                      address: str | None = None) -> Proc:
+        address = address or f"127.0.0.1:{free_port()}"
+        argv = [sys.executable, "-m", module, "--listen", address, "--redis-url", self.redis_url or ""]
+        if module == "costd":
+            argv = [sys.executable, "-m", "costd", "--listen", address,
+                    "--db", os.path.join(self.var_dir, "ledger.sqlite")]
+        else:
+            argv += ["--otlp-endpoint", self.procs["costd"].address]
+        proc = Proc(name, self._spawn(name, argv + (extra or [])), address)
+        self.procs[name] = proc
+        return proc
+
+    async def wait_ready(self, names: list[str], timeout_s: float = 120.0) -> None:
+        async def one(name: str):
+            proc = self.procs[name]
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if not proc.alive():
+                    raise RuntimeError(f"{name} exited with {proc.popen.returncode}; "
+                                       f"see {os.path.join(self.log_dir, name + '.log')}")
+                try:
+                    await wait_serving(proc.address, timeout_s=1.0)
+                    return
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise
+        await asyncio.gather(*(one(n) for n in names))
+
+    async def up(self, num_workers: int = 1, timeout_s: float = 180.0,
+                 gateway_listen: str | None = None, costd_listen: str | None = None) -> None:
+        if not self.redis_url:
+            self.start_redis()
+        self.start_service("costd", "costd", address=costd_listen)
+        await self.wait_ready(["costd"], timeout_s)
+        for i in range(num_workers):
+            self.start_service(f"worker{i}", "workers", ["--worker-id", f"worker{i}", *self.worker_args])
+        self.start_service("router", "router")
+        self.start_service("gateway", "gateway", address=gateway_listen)
+        await self.wait_ready([n for n in self.procs if n not in ("redis", "costd")], timeout_s)
+
+    def stop_one(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int | None:
+        proc = self.procs.get(name)
+        if proc is None or not proc.alive():
+            return proc.popen.returncode if proc else None
+        proc.popen.send_signal(sig)
+        try:
+            return proc.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            return proc.popen.wait()
+
+    def down(self) -> None:
+        """Stop in reverse dependency order: front door first, redis last."""
+        order = ["gateway", "router", *[n for n in self.procs if n.startswith("worker")], "costd", "redis"]
+        for name in order + [n for n in self.procs if n not in order]:
+            self.stop_one(name)

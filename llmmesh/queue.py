@@ -1,0 +1,83 @@
+"""Redis key names and the codecs of queue entries and result-stream events.
+
+Every service that touches Redis uses these names, so they live in one place. Keys that
+belong to one request are hash-tagged by request id so multi-key scripts stay on one
+Redis Cluster slot.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PREFIX = "llmmesh"
+CLASSES = ("interactive", "batch")
+ROUTER_GROUP = "routers"
+DEAD_LETTER_STREAM = f"{PREFIX}:q:dead"
+CANCEL_CHANNEL = f"{PREFIX}:cancel"
+WORKER_KEY_PREFIX = f"{PREFIX}:worker:"
+# Result streams outlive their request briefly so a reconnecting gateway can still read them.
+RESULT_TTL_S = 3600
+
+
+def queue_stream(request_class: str) -> str:
+    if request_class not in CLASSES:
+        raise ValueError(f"unknown request class {request_class!r}")
+    return f"{PREFIX}:q:{request_class}"
+
+
+def result_stream(request_id: str) -> str:
+    return f"{PREFIX}:res:{{{request_id}}}"
+
+
+def cancel_key(request_id: str) -> str:
+    return f"{PREFIX}:cancel:{{{request_id}}}"
+
+
+def worker_key(worker_id: str) -> str:
+    return f"{WORKER_KEY_PREFIX}{worker_id}"
+
+
+@dataclass(slots=True)
+class QueueEntry:
+    """Everything the router and worker need, written once by the gateway."""
+
+    request_id: str
+    tenant_id: str
+    request_class: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    cache_salt: str
+    block_hashes: list[int]
+    deadline_unix_ns: int = 0
+    enqueued_unix_ns: int = 0
+    traceparent: dict[str, str] = field(default_factory=dict)
+
+    def encode(self) -> dict[str, str]:
+        return {"d": json.dumps(asdict(self), separators=(",", ":"))}
+
+    @classmethod
+    def decode(cls, fields: dict) -> "QueueEntry":
+        raw = fields.get("d") or fields.get(b"d")
+        return cls(**json.loads(raw))
+
+
+def tokens_event(index: int, token_ids: list[int], logprobs: list[float] | None = None) -> dict[str, str]:
+    body: dict[str, Any] = {"kind": "tokens", "index": index, "ids": token_ids}
+    if logprobs:
+        body["logprobs"] = logprobs
+    return {"d": json.dumps(body, separators=(",", ":"))}
+
+
+def final_event(finish_reason: str, usage: dict[str, Any]) -> dict[str, str]:
+    return {"d": json.dumps({"kind": "final", "finish_reason": finish_reason, "usage": usage})}
+
+
+def error_event(code: str, message: str) -> dict[str, str]:
+    return {"d": json.dumps({"kind": "error", "code": code, "message": message})}
+
+
+def decode_event(fields: dict) -> dict[str, Any]:
+    raw = fields.get("d") or fields.get(b"d")
+    return json.loads(raw)

@@ -1,0 +1,136 @@
+"""gRPC server bootstrap shared by every service: health, reflection, error mapping, graceful stop."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from llmmesh.errors import MeshError
+
+log = logging.getLogger("llmmesh.server")
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str):
+    if isinstance(exc, MeshError):
+        await context.abort(exc.code, exc.message, trailing_metadata=exc.trailing_metadata())
+    log.exception("unhandled error in %s", method)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see server logs")
+
+
+def _wrap_unary(behavior, method: str):
+    async def wrapper(request, context):
+        try:
+            return await behavior(request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the one place that maps errors
+            await _abort(context, exc, method)
+    return wrapper
+
+
+def _wrap_stream(behavior, method: str):
+    async def wrapper(request, context):
+        try:
+            async for item in behavior(request, context):
+                yield item
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc, method)
+    return wrapper
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Maps MeshError subclasses to their status code; anything else to INTERNAL without a trace."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary, method),
+                handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream, method),
+                handler.request_deserializer, handler.response_serializer)
+        return handler
+
+
+@dataclass
+class ServiceSpec:
+    """What a service hosts: (add_XServicer_to_server, servicer) pairs and their full names."""
+
+    servicers: list[tuple[Callable, object]]
+    service_names: list[str]
+    on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+
+async def serve(spec: ServiceSpec, listen: str, *, grace_s: float = 5.0,
+                ready: Callable[[str], None] | None = None,
+                stop_event: asyncio.Event | None = None) -> None:
+    """Run until SIGTERM/SIGINT (or stop_event), then drain calls for `grace_s` and shut down."""
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=[
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ("grpc.so_reuseport", 0),
+    ])
+    for add, servicer in spec.servicers:
+        add(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*spec.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise RuntimeError(f"cannot listen on {listen}")
+    address = f"{listen.rsplit(':', 1)[0]}:{port}"
+    await server.start()
+    for name in ["", *spec.service_names]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving %s on %s", ", ".join(spec.service_names), address)
+    if ready:
+        ready(address)
+    stop = stop_event or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping: draining calls for up to %.1fs", grace_s)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_s)
+    for hook in spec.on_shutdown:
+        await hook()
+
+
+async def wait_serving(address: str, timeout_s: float, service: str = "") -> None:
+    """Poll grpc.health.v1 until `service` is SERVING (used by `make up` and tests)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                resp = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"{address} not SERVING after {timeout_s}s")
+            await asyncio.sleep(0.1)
+
+
+def configure_logging(service: str, level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
+
+
+def service_names(*descriptors: Iterable) -> list[str]:
+    return [d.full_name for d in descriptors]

@@ -1,0 +1,64 @@
+"""OpenTelemetry set-up shared by every service: OTLP/gRPC span export and W3C propagation."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+# Attribute names (OTel GenAI semantic conventions, then ours under llmmesh.*).
+OPERATION = "gen_ai.operation.name"
+PROVIDER = "gen_ai.provider.name"
+REQUEST_MODEL = "gen_ai.request.model"
+INPUT_TOKENS = "gen_ai.usage.input_tokens"
+OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+CACHE_READ_TOKENS = "gen_ai.usage.cache_read.input_tokens"
+FINISH_REASONS = "gen_ai.response.finish_reasons"
+TENANT_ID = "llmmesh.tenant.id"
+REQUEST_ID = "llmmesh.request.id"
+REQUEST_CLASS = "llmmesh.request.class"
+DEVICE_TYPE = "llmmesh.device.type"
+WORKER_ID = "llmmesh.worker.id"
+PREFILL_DEVICE_S = "llmmesh.prefill.device_seconds"
+DECODE_DEVICE_S = "llmmesh.decode.device_seconds"
+QUANTIZATION = "llmmesh.quantization"
+USAGE_FINAL = "llmmesh.usage.final"  # set on exactly one span per request: the billing record
+
+_provider: TracerProvider | None = None
+
+
+def setup_tracing(service_name: str, otlp_endpoint: str | None) -> trace.Tracer:
+    """Install a TracerProvider exporting to `otlp_endpoint` (host:port); no export when None."""
+    global _provider
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    if otlp_endpoint:
+        # A short delay keeps bills fresh; the exporter retries UNAVAILABLE with backoff itself.
+        provider.add_span_processor(BatchSpanProcessor(
+            OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True),
+            schedule_delay_millis=200, max_export_batch_size=256))
+    _provider = provider
+    trace.set_tracer_provider(provider)
+    return provider.get_tracer(service_name)
+
+
+def shutdown_tracing() -> None:
+    if _provider is not None:
+        _provider.force_flush(5000)
+        _provider.shutdown()
+
+
+def inject_traceparent() -> dict[str, str]:
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier)
+    return carrier
+
+
+def extract_context(carrier: Mapping[str, str]) -> otel_context.Context:
+    return _PROPAGATOR.extract(dict(carrier))

@@ -1,0 +1,1 @@
+"""Cluster scheduling: read both class queues, pick a worker, relay tokens, recover failures."""

@@ -1,0 +1,56 @@
+"""python -m router: reads the class queues and dispatches to workers (no public API)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+
+import redis.asyncio as aioredis
+
+from llmmesh import server, telemetry
+from router.dispatcher import Dispatcher, DispatcherConfig
+from router.policy import POLICIES, make_policy
+from router.registry import WorkerRegistry
+
+
+def _args() -> argparse.Namespace:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="python -m router")
+    p.add_argument("--listen", default=env("LLMMESH_ROUTER_LISTEN", "127.0.0.1:50052"),
+                   help="address of the router's health endpoint")
+    p.add_argument("--redis-url", default=env("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--otlp-endpoint", default=env("LLMMESH_OTLP_ENDPOINT"))
+    p.add_argument("--policy", choices=sorted(POLICIES), default=env("LLMMESH_ROUTER_POLICY", "prefix-affinity"))
+    p.add_argument("--consumer", default=env("LLMMESH_ROUTER_ID", f"{socket.gethostname()}-{os.getpid()}"))
+    p.add_argument("--batch-min-share", type=float, default=float(env("LLMMESH_BATCH_MIN_SHARE", "0.2")))
+    return p.parse_args()
+
+
+async def main() -> None:
+    args = _args()
+    server.configure_logging("router")
+    tracer = telemetry.setup_tracing("llmmesh-router", args.otlp_endpoint)
+    redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True,
+                                    socket_connect_timeout=2.0, health_check_interval=10)
+    registry = WorkerRegistry(redis)
+    dispatcher = Dispatcher(redis, registry, make_policy(args.policy),
+                            DispatcherConfig(consumer=args.consumer,
+                                             batch_min_share=args.batch_min_share), tracer)
+    tasks = [asyncio.create_task(t) for t in (registry.run(), dispatcher.run(), dispatcher.watch_cancels())]
+
+    async def close():
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await registry.close()
+        await redis.aclose()
+        telemetry.shutdown_tracing()
+
+    # The router serves only grpc.health.v1 (and reflection) so orchestrators can probe it.
+    await server.serve(server.ServiceSpec(servicers=[], service_names=[], on_shutdown=[close]),
+                       args.listen)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

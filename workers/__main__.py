@@ -1,0 +1,100 @@
+"""python -m workers: one inference worker serving WorkerService, registered in Redis by lease."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from llmmesh import queue, server, telemetry
+from llmmesh.models import DEFAULT_MODEL, resolve_model
+from llmmesh.tokenizer import Tokenizer
+from llmmesh.v1 import worker_pb2, worker_pb2_grpc
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.config import EngineConfig
+from workers.servicer import WorkerServicer
+
+log = logging.getLogger("workers")
+LEASE_TTL_S = 10
+
+
+def _args() -> argparse.Namespace:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="python -m workers")
+    p.add_argument("--listen", default=env("LLMMESH_WORKER_LISTEN", "127.0.0.1:50061"))
+    p.add_argument("--redis-url", default=env("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--otlp-endpoint", default=env("LLMMESH_OTLP_ENDPOINT"))
+    p.add_argument("--worker-id", default=env("LLMMESH_WORKER_ID", f"{socket.gethostname()}-{os.getpid()}"))
+    p.add_argument("--model", default=env("LLMMESH_MODEL", DEFAULT_MODEL))
+    p.add_argument("--device", default=env("LLMMESH_DEVICE", "cpu"))
+    p.add_argument("--dtype", default=env("LLMMESH_DTYPE", "float32"))
+    p.add_argument("--quantization", default=env("LLMMESH_QUANTIZATION", "none"))
+    p.add_argument("--max-num-seqs", type=int, default=int(env("LLMMESH_MAX_NUM_SEQS", "32")))
+    p.add_argument("--kv-cache-mib", type=int, default=int(env("LLMMESH_KV_CACHE_MIB", "512")))
+    p.add_argument("--block-size", type=int, default=int(env("LLMMESH_BLOCK_SIZE", "16")))
+    p.add_argument("--threads", type=int, default=int(env("LLMMESH_THREADS", "0")) or None)
+    return p.parse_args()
+
+
+async def keep_lease(redis: aioredis.Redis, worker_id: str, info: dict) -> None:
+    """Renew this worker's registration; routers drop a worker whose lease lapses."""
+    while True:
+        try:
+            await redis.set(queue.worker_key(worker_id), json.dumps(info), ex=LEASE_TTL_S)
+        except RedisError as exc:
+            log.warning("lease renewal failed: %s", exc)
+        await asyncio.sleep(LEASE_TTL_S / 3)
+
+
+async def main() -> None:
+    args = _args()
+    server.configure_logging("worker")
+    tracer = telemetry.setup_tracing("llmmesh-worker", args.otlp_endpoint)
+    spec = resolve_model(args.model)
+    config = EngineConfig(gguf_path=spec.gguf_path, device=args.device, dtype=args.dtype,
+                          block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
+                          max_num_seqs=args.max_num_seqs, num_threads=args.threads)
+    engine = AsyncEngine(config)
+    await engine.start()
+    info = engine.cache_info
+    log.info("KV cache: %d blocks of %d tokens (%.1f MiB), max context %d", info.num_blocks,
+             info.block_size, info.kv_cache_bytes / 2**20, info.max_model_len)
+    device_type = args.device if args.device != "cuda" else f"cuda:{_cuda_name()}"
+    servicer = WorkerServicer(engine, Tokenizer.from_gguf(spec.gguf_path), spec.name, args.worker_id,
+                              device_type, args.quantization, tracer)
+    redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True, socket_connect_timeout=2.0)
+    lease_task: list[asyncio.Task] = []
+
+    def ready(address: str) -> None:
+        lease = {"worker_id": args.worker_id, "address": address, "model": spec.name,
+                 "max_inflight": 2 * args.max_num_seqs, "device_type": device_type}
+        lease_task.append(asyncio.create_task(keep_lease(redis, args.worker_id, lease)))
+
+    async def close():
+        for t in lease_task:
+            t.cancel()
+        with contextlib.suppress(RedisError):
+            await redis.delete(queue.worker_key(args.worker_id))
+        await redis.aclose()
+        await engine.shutdown()
+        telemetry.shutdown_tracing()
+
+    await server.serve(server.ServiceSpec(
+        servicers=[(worker_pb2_grpc.add_WorkerServiceServicer_to_server, servicer)],
+        service_names=[worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name],
+        on_shutdown=[close]), args.listen, ready=ready)
+
+
+def _cuda_name() -> str:
+    import torch
+    return torch.cuda.get_device_name(0).replace(" ", "-")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,72 @@
+"""Engine configuration (frozen, validated) and the cache facts found at start-up."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    gguf_path: str = ""
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    # Memory budget for the KV cache; num_gpu_blocks, when set, overrides it (tests, benches).
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    num_gpu_blocks: int | None = None
+    max_num_seqs: int = 32
+    # Tokens processed per step (decodes + prefill chunks): bounds step latency for decodes.
+    max_num_batched_tokens: int = 512
+    # None: the model's own limit (further capped by what the KV pool can hold).
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    # None leaves torch's default intra-op thread count alone.
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        try:
+            torch.device(self.device)
+        except RuntimeError as exc:
+            raise ValueError(f"device {self.device!r} is not a torch device") from exc
+        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("num_gpu_blocks", "max_model_len", "num_threads"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive when set, got {value}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheInfo:
+    """What start-up found: how many KV blocks fit and the longest context they allow."""
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    max_model_len: int
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @staticmethod
+    def plan(config: EngineConfig, bytes_per_block: int, model_max_len: int) -> CacheInfo:
+        num_blocks = config.num_gpu_blocks or config.kv_cache_bytes // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no block "
+                             f"of {bytes_per_block} bytes")
+        # A sequence longer than the whole pool could never be scheduled, even alone.
+        limits = [model_max_len, num_blocks * config.block_size]
+        if config.max_model_len is not None:
+            limits.append(config.max_model_len)
+        return CacheInfo(num_blocks, config.block_size, bytes_per_block, min(limits))

@@ -1,0 +1,232 @@
+"""Continuous batching: which requests run this step, with how many tokens, and who is preempted."""
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+
+from workers.engine.config import CacheInfo, EngineConfig
+from workers.engine.kv_cache_manager import KVCacheManager
+from workers.engine.outputs import EngineLoad, ModelRunnerOutput, RequestOutput, RequestUsage
+from workers.engine.request import Request, RequestStatus
+
+MAX_LOAD_HASHES = 1024   # bounds the cache summary a load report carries to the router
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    requests: tuple[Request, ...]            # batch order
+    num_scheduled_tokens: tuple[int, ...]    # new tokens per request, same order
+    finished_request_ids: frozenset[str]     # ended since the last step: runner drops their state
+    preempted_request_ids: tuple[str, ...] = ()
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class _StepBatch:
+    """The batch being built: token counts per request and what is left of the token budget."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.num_tokens: dict[str, tuple[Request, int]] = {}
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.num_tokens[request.request_id] = (request, num_tokens)
+        self.budget -= num_tokens
+
+    def discard(self, request: Request) -> None:
+        entry = self.num_tokens.pop(request.request_id, None)
+        if entry is not None:
+            self.budget += entry[1]
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, cache_info: CacheInfo,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = cache_info.max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.kv = KVCacheManager(cache_info.num_blocks, cache_info.block_size,
+                                 config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []      # kept sorted by Request.sort_key
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def schedule(self) -> SchedulerOutput:
+        batch = _StepBatch(self.max_num_batched_tokens)
+        preempted: list[Request] = []
+        self._schedule_running(batch, preempted)
+        # A step that had to preempt is short of blocks: admitting now would only thrash.
+        if not preempted:
+            self._schedule_waiting(batch, preempted)
+        finished, self._finished_ids = frozenset(self._finished_ids), set()
+        entries = list(batch.num_tokens.values())
+        return SchedulerOutput(tuple(r for r, _ in entries), tuple(n for _, n in entries),
+                               finished, tuple(r.request_id for r in preempted))
+
+    def _schedule_running(self, batch: _StepBatch, preempted: list[Request]) -> None:
+        # Best first, so under block pressure the victims (taken from the tail) are never
+        # requests already placed in this step's batch.
+        self.running.sort(key=lambda r: r.sort_key)
+        i = 0
+        while i < len(self.running) and batch.budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, batch.budget)
+            while self.kv.allocate_slots(request, num_new) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                batch.add(request, num_new)
+                i += 1
+
+    def _schedule_waiting(self, batch: _StepBatch, preempted: list[Request]) -> None:
+        while self.waiting and batch.budget > 0:
+            request = self.waiting[0]
+            if (len(self.running) >= self.max_num_seqs
+                    and not self._preempt_lower_priority(request, batch, preempted)):
+                return
+            hits, num_cached = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached, batch.budget)
+            while self.kv.allocate_slots(request, num_new, hits) is None:
+                if not self._preempt_lower_priority(request, batch, preempted):
+                    return   # strict order: nobody overtakes the head of the queue
+            self.waiting.pop(0)
+            self._admit(request, num_cached)
+            batch.add(request, num_new)
+
+    def _preempt_lower_priority(self, request: Request, batch: _StepBatch,
+                                preempted: list[Request]) -> bool:
+        """Make room for `request` by preempting the worst running request of a strictly lower
+        class (interactive evicts batch, never the reverse, never its own class)."""
+        candidates = [r for r in self.running if r.priority > request.priority]
+        if not candidates:
+            return False
+        victim = max(candidates, key=lambda r: r.sort_key)
+        batch.discard(victim)
+        self._preempt(victim)
+        preempted.append(victim)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        # Preemption by recompute: drop the KV (its full blocks stay cached, so the recompute
+        # is mostly prefix hits) and requeue at the original arrival position.
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
+
+    def _admit(self, request: Request, num_cached: int) -> None:
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_cached
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+            request.num_cached_tokens = num_cached
+            self.num_prefix_query_tokens += request.num_tokens
+            self.num_prefix_hit_tokens += num_cached
+        self.running.append(request)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput, step_s: float) -> list[RequestOutput]:
+        """Advance each scheduled request by the step's result; return what to stream."""
+        outputs = []
+        total = scheduler_output.total_num_scheduled_tokens
+        for request, num_tokens in zip(scheduler_output.requests,
+                                       scheduler_output.num_scheduled_tokens):
+            if request.status != RequestStatus.RUNNING:
+                continue
+            self._charge(request, num_tokens, step_s * num_tokens / total)
+            request.num_computed_tokens += num_tokens
+            self.kv.cache_blocks(request)
+            token = runner_output.sampled_token_ids.get(request.request_id)
+            if token is None:
+                continue   # a prefill chunk: nothing to stream yet
+            logprob = runner_output.logprobs.get(request.request_id)
+            request.append_output_token_id(token, logprob)
+            status = self._stop_status(request, token)
+            if status is not None:
+                self._finish(request, status)
+            outputs.append(self._output(request, [token], None if logprob is None else [logprob]))
+        return outputs
+
+    @staticmethod
+    def _charge(request: Request, num_tokens: int, device_s: float) -> None:
+        # Tokens below the prompt length are prefill; the rest (decodes, and the recompute of
+        # generated tokens after a preemption) are decode work.
+        start = request.num_computed_tokens
+        num_prefill = max(0, min(start + num_tokens, request.num_prompt_tokens) - start)
+        request.prefill_device_s += device_s * num_prefill / num_tokens
+        request.decode_device_s += device_s * (num_tokens - num_prefill) / num_tokens
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def abort(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        """End a waiting or running request now, freeing its blocks; None if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return self._output(request, [], None, error)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        del self.requests[request.request_id]
+        self._finished_ids.add(request.request_id)
+
+    def _output(self, request: Request, token_ids: list[int], logprobs: list[float] | None,
+                error: str | None = None) -> RequestOutput:
+        if not request.status.finished:
+            return RequestOutput(request.request_id, token_ids, logprobs, False)
+        reason = "error" if error is not None else request.status.finish_reason
+        return RequestOutput(request.request_id, token_ids, logprobs, True, reason,
+                             self._usage(request), error)
+
+    @staticmethod
+    def _usage(request: Request) -> RequestUsage:
+        admitted = request.first_scheduled_time or time.monotonic()
+        return RequestUsage(request.num_prompt_tokens, request.num_cached_tokens,
+                            request.num_output_tokens, request.prefill_device_s,
+                            request.decode_device_s, admitted - request.arrival_time,
+                            request.num_preemptions)
+
+    def load(self) -> EngineLoad:
+        pool = self.kv.pool
+        queried = self.num_prefix_query_tokens
+        return EngineLoad(len(self.running), len(self.waiting), pool.num_free_blocks,
+                          pool.num_blocks, self.kv.block_size,
+                          tuple(pool.recent_hashes(MAX_LOAD_HASHES)),
+                          self.num_prefix_hit_tokens / queried if queried else 0.0)

@@ -1,0 +1,170 @@
+"""Paged attention over a block-table KV cache, in plain torch so CPU and CUDA share one code path.
+
+The engine describes a batch with `AttentionMetadata`; the model turns it once per forward into an
+`AttentionPlan` (host-side loop bounds, masks, gathered block tables) that all layers reuse.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from workers.model.config import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor      # int64 [T]: cache slot of each new token = block_id*block_size + offset
+    query_start_loc: torch.Tensor   # int64 [B+1]: cumulative query lengths
+    seq_lens: torch.Tensor          # int64 [B]: context length of seq b INCLUDING its new tokens
+    block_tables: torch.Tensor      # int64 [B, max_blocks_per_seq], padded with 0
+    max_seq_len: int
+    max_query_len: int              # 1 => pure decode batch (fast path)
+
+
+def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int,
+                       device: torch.device | str, dtype: torch.dtype) -> list[torch.Tensor]:
+    """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer (0 = K, 1 = V).
+
+    Zero-filled, not empty: padded block-table entries gather block 0 and are masked out, but a
+    masked NaN still poisons the softmax-weighted sum (0 * NaN = NaN).
+    """
+    shape = (2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)]
+
+
+def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    per_layer = 2 * block_size * config.num_kv_heads * config.head_dim * element_bytes
+    return per_layer * config.num_layers
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSpan:
+    """One sequence whose query is longer than one token (a prompt chunk)."""
+    token_start: int
+    token_end: int
+    seq_len: int
+    block_ids: torch.Tensor         # [num_blocks] blocks holding its whole context
+    causal_mask: torch.Tensor | None  # [qlen, seq_len] bool; None => no earlier context, is_causal
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    slot_mapping: torch.Tensor
+    # Single-token queries, attended to in one batched call.
+    decode_token_idx: torch.Tensor | None   # [Bd] token positions in the batch; None => all tokens
+    decode_block_tables: torch.Tensor | None  # [Bd, blocks needed by the longest of them]
+    decode_mask: torch.Tensor | None        # [Bd, 1, 1, keys] bool, True = attend
+    prefills: tuple[PrefillSpan, ...]
+
+
+def prepare_attention(meta: AttentionMetadata, block_size: int) -> AttentionPlan:
+    """Everything layer-independent, built once per forward instead of once per layer.
+
+    Reads query lengths to the host once (one device sync per step, not per layer).
+    """
+    starts = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    query_lens = [end - start for start, end in zip(starts, starts[1:])]
+    decode_rows = [b for b, qlen in enumerate(query_lens) if qlen == 1]
+    prefills = tuple(_prefill_span(meta, b, starts[b], starts[b + 1], seq_lens[b], block_size)
+                     for b, qlen in enumerate(query_lens) if qlen > 1)
+    decode_idx = decode_tables = decode_mask = None
+    if decode_rows:
+        device = meta.block_tables.device
+        rows = torch.tensor(decode_rows, device=device)
+        lens = meta.seq_lens[rows]
+        num_blocks = -(-max(seq_lens[b] for b in decode_rows) // block_size)
+        decode_tables = meta.block_tables[rows, :num_blocks]
+        keys = torch.arange(num_blocks * block_size, device=device)
+        decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]
+        if len(decode_rows) < len(query_lens):
+            decode_idx = meta.query_start_loc[rows]
+    return AttentionPlan(meta.slot_mapping, decode_idx, decode_tables, decode_mask, prefills)
+
+
+def _prefill_span(meta: AttentionMetadata, b: int, start: int, end: int, seq_len: int,
+                  block_size: int) -> PrefillSpan:
+    qlen = end - start
+    num_blocks = -(-seq_len // block_size)
+    mask = None
+    if seq_len > qlen:
+        # Query i sits at position seq_len - qlen + i and sees every key up to and including it.
+        device = meta.block_tables.device
+        query_pos = torch.arange(seq_len - qlen, seq_len, device=device)
+        mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
+    return PrefillSpan(start, end, seq_len, meta.block_tables[b, :num_blocks], mask)
+
+
+def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             key: torch.Tensor, value: torch.Tensor) -> None:
+    """Store the new tokens' K/V ([T, kv_heads, head_dim], after RoPE) at their cache slots."""
+    _, _, _, kv_heads, head_dim = kv_cache.shape
+    kv_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """All T tokens as one sequence: [T, H, D] x [T, KVH, D] -> [T, H, D]."""
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+        is_causal=True, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    kv_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """Attention for a mixed batch whose new K/V are already written to `kv_cache`.
+
+    query [T, H, D]; key/value [T, KVH, D] are this step's tokens (reused when a prompt chunk has
+    no earlier context, saving a gather). Returns [T, H, D].
+    """
+    out = query.new_empty(query.shape) if plan.prefills else None
+    if plan.decode_block_tables is not None:
+        decode_q = query if plan.decode_token_idx is None else query[plan.decode_token_idx]
+        decode_out = _decode_attention(decode_q, kv_cache, plan)
+        if out is None:
+            return decode_out
+        out[plan.decode_token_idx] = decode_out
+    for span in plan.prefills:
+        out[span.token_start:span.token_end] = _prefill_attention(
+            query, key, value, kv_cache, span)
+    return out
+
+
+def _decode_attention(query: torch.Tensor, kv_cache: torch.Tensor,
+                      plan: AttentionPlan) -> torch.Tensor:
+    """One query token per sequence, all sequences in one SDPA call.
+
+    Grouped-query heads are folded into the query-length axis ([B, KVH, group, D]) so K/V are
+    read once per KV head instead of being repeated for every query head.
+    """
+    batch, num_heads, head_dim = query.shape
+    kv_heads = kv_cache.shape[3]
+    tables = plan.decode_block_tables
+    num_keys = tables.shape[1] * kv_cache.shape[2]
+    # [B, blocks, block_size, KVH, D] -> [B, KVH, keys, D]
+    keys = kv_cache[0][tables].view(batch, num_keys, kv_heads, head_dim).transpose(1, 2)
+    values = kv_cache[1][tables].view(batch, num_keys, kv_heads, head_dim).transpose(1, 2)
+    grouped_q = query.view(batch, kv_heads, num_heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=plan.decode_mask)
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       kv_cache: torch.Tensor, span: PrefillSpan) -> torch.Tensor:
+    q = query[span.token_start:span.token_end].transpose(0, 1)           # [H, qlen, D]
+    if span.causal_mask is None:
+        k = key[span.token_start:span.token_end].transpose(0, 1)
+        v = value[span.token_start:span.token_end].transpose(0, 1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(0, 1)
+    _, _, block_size, kv_heads, head_dim = kv_cache.shape
+    num_keys = span.block_ids.shape[0] * block_size
+    k = kv_cache[0][span.block_ids].view(num_keys, kv_heads, head_dim)[:span.seq_len]
+    v = kv_cache[1][span.block_ids].view(num_keys, kv_heads, head_dim)[:span.seq_len]
+    out = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=span.causal_mask, enable_gqa=True)
+    return out.transpose(0, 1)

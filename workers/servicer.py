@@ -1,0 +1,120 @@
+"""WorkerService: a thin edge over AsyncEngine (proto <-> domain, stop strings, spans)."""
+from __future__ import annotations
+
+import time
+
+from opentelemetry import trace
+
+from llmmesh import telemetry
+from llmmesh.errors import DeadlineExceeded, InvalidArgument, NotFound
+from llmmesh.tokenizer import IncrementalDetokenizer
+from llmmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from workers.engine.async_engine import AsyncEngine
+from workers.engine.sampling import SamplingParams
+
+INTERACTIVE, BATCH = 0, 1
+_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
+           "abort": common_pb2.FINISH_REASON_CANCELLED}
+
+
+class StopStringMatcher:
+    """Finds client stop strings in the decoded completion (token-level stops live in the engine)."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.stop = stop
+        self.detok = IncrementalDetokenizer(tokenizer) if stop else None
+        self.text = ""
+        self.matched = False
+
+    def push(self, token_ids: list[int]) -> bool:
+        """True the first time the completion contains a stop string."""
+        if self.detok is None or self.matched:
+            return False
+        self.text += self.detok.push(token_ids)
+        tail = self.text[-(max(map(len, self.stop)) + 64):]
+        self.matched = any(s in tail for s in self.stop)
+        return self.matched
+
+
+def _sampling(s: common_pb2.SamplingParams, stop_token_ids) -> SamplingParams:
+    if s.max_tokens < 1:
+        raise InvalidArgument("sampling.max_tokens", f"must be >= 1, got {s.max_tokens}")
+    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p or 1.0,
+                          top_k=s.top_k, seed=s.seed if s.HasField("seed") else None,
+                          stop_token_ids=tuple(stop_token_ids), logprobs=s.logprobs)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, worker_id: str,
+                 device_type: str, quantization: str, tracer: trace.Tracer):
+        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.worker_id, self.device_type, self.quantization = worker_id, device_type, quantization
+        self.tracer = tracer
+
+    async def Generate(self, request, context):
+        if request.model != self.model_name:
+            raise NotFound(f"model {request.model!r} is not served by worker {self.worker_id}")
+        if not request.prompt_token_ids:
+            raise InvalidArgument("prompt_token_ids", "must not be empty")
+        if request.deadline_unix_ns and time.time_ns() >= request.deadline_unix_ns:
+            raise DeadlineExceeded("deadline passed before the worker started the request")
+        sampling = _sampling(request.sampling, self.tokenizer.stop_token_ids)
+        parent = telemetry.extract_context(dict(context.invocation_metadata() or ()))
+        with self.tracer.start_as_current_span("gen_ai.generate", context=parent,
+                                               kind=trace.SpanKind.SERVER) as span:
+            span.set_attributes({telemetry.OPERATION: "text_completion",
+                                 telemetry.REQUEST_MODEL: request.model,
+                                 telemetry.TENANT_ID: request.tenant_id,
+                                 telemetry.REQUEST_ID: request.request_id,
+                                 telemetry.WORKER_ID: self.worker_id,
+                                 telemetry.DEVICE_TYPE: self.device_type,
+                                 telemetry.QUANTIZATION: self.quantization})
+            async for msg in self._stream(request, sampling, span):
+                yield msg
+
+    async def _stream(self, request, sampling, span):
+        matcher = StopStringMatcher(self.tokenizer, list(request.sampling.stop))
+        index = request.start_index
+        priority = BATCH if request.request_class == common_pb2.REQUEST_CLASS_BATCH else INTERACTIVE
+        outputs = self.engine.generate(request.request_id, list(request.prompt_token_ids), sampling,
+                                       priority=priority, cache_salt=request.cache_salt)
+        try:
+            async for out in outputs:
+                if out.new_token_ids:
+                    yield worker_pb2.WorkerGenerateResponse(tokens=worker_pb2.WorkerTokens(
+                        index=index, token_ids=out.new_token_ids, logprobs=out.new_logprobs or []))
+                    index += len(out.new_token_ids)
+                    if not out.finished and matcher.push(out.new_token_ids):
+                        self.engine.abort(request.request_id)  # its final arrives as "abort"
+                if out.finished:
+                    reason = "stop" if matcher.matched else out.finish_reason
+                    yield self._final(reason, out.usage, span)
+                    return
+        finally:
+            await outputs.aclose()
+
+    def _final(self, reason: str, usage, span) -> worker_pb2.WorkerGenerateResponse:
+        span.set_attributes({telemetry.INPUT_TOKENS: usage.prompt_tokens,
+                             telemetry.OUTPUT_TOKENS: usage.completion_tokens,
+                             telemetry.CACHE_READ_TOKENS: usage.cached_prompt_tokens,
+                             telemetry.PREFILL_DEVICE_S: usage.prefill_device_s,
+                             telemetry.DECODE_DEVICE_S: usage.decode_device_s,
+                             telemetry.FINISH_REASONS: [reason]})
+        return worker_pb2.WorkerGenerateResponse(final=worker_pb2.WorkerFinal(
+            finish_reason=_FINISH.get(reason, common_pb2.FINISH_REASON_STOP),
+            usage=common_pb2.Usage(
+                prompt_tokens=usage.prompt_tokens, cached_prompt_tokens=usage.cached_prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                prefill_device_seconds=usage.prefill_device_s,
+                decode_device_seconds=usage.decode_device_s, queue_seconds=usage.queue_s)))
+
+    async def Abort(self, request, context):
+        return worker_pb2.AbortResponse(aborted=self.engine.abort(request.request_id))
+
+    async def GetLoad(self, request, context):
+        load, info = self.engine.load(), self.engine.cache_info
+        return worker_pb2.GetLoadResponse(
+            num_running=load.num_running, num_waiting=load.num_waiting,
+            num_free_blocks=load.num_free_blocks, num_total_blocks=load.num_total_blocks,
+            block_size=load.block_size, models=[self.model_name], device_type=self.device_type,
+            quantization=self.quantization, context_length=info.max_model_len)
