@@ -10,11 +10,11 @@ import sys
 from costd.app import serve
 from costd.config import parse_config
 from costd.pipeline import PipelineError
+from llmmesh.server import configure_logging
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging("costd")
     try:
         config = parse_config(argv, os.environ)
     except ValueError as error:

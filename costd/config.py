@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from costd.ledger import LedgerConfig
 
-# OTLP/gRPC's registered port: an OTel SDK left on its default endpoint reaches costd.
-DEFAULT_LISTEN = "127.0.0.1:4317"
+# Where `llmmesh usage` looks for costd by default.
+DEFAULT_LISTEN = "127.0.0.1:50055"
 DEFAULT_LEDGER_URL = "sqlite:///var/ledger.sqlite"
 # Long enough for in-flight exports to commit, short enough to exit well inside the usual
 # 5 s a supervisor waits after SIGTERM.

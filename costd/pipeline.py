@@ -3,13 +3,16 @@
 A stage is a `Component` (start / shutdown) and a `Consumer` of one batch type. Every consumer
 answers with the items it rejected for good; whole-batch failures are raised as a
 `PermanentError` (retrying the same data can never succeed) or a `RetryableError` (it may
-succeed later, so the sender should keep the data and retry).
+succeed later, so the sender should keep the data and retry). They are MeshErrors, so the
+shared interceptor answers INTERNAL and UNAVAILABLE; OTLP senders retry only the latter.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
+
+from llmmesh.errors import Internal, Unavailable
 
 T_contra = TypeVar("T_contra", contravariant=True)
 
@@ -18,11 +21,11 @@ class PipelineError(Exception):
     """A whole batch failed; subclasses say whether the sender should retry it."""
 
 
-class PermanentError(PipelineError):
+class PermanentError(PipelineError, Internal):
     """Retrying the same batch can never succeed (bad data, a bug, a corrupt store)."""
 
 
-class RetryableError(PipelineError):
+class RetryableError(PipelineError, Unavailable):
     """The batch may succeed later (store busy, disk full); the sender keeps it and retries."""
 
 

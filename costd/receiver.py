@@ -9,11 +9,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from costd.pipeline import Consumer, PermanentError, Rejection, RetryableError
+from costd.pipeline import Consumer, Rejection, RetryableError
 
 log = logging.getLogger(__name__)
 
@@ -46,26 +45,20 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         self._next = next_consumer
 
     async def start(self) -> None:
-        pass  # The gRPC server that carries this servicer is owned by costd's app.
+        pass  # The gRPC server carrying this servicer belongs to llmmesh.server.serve.
 
     async def shutdown(self) -> None:
         pass
 
     async def Export(self, request: trace_service_pb2.ExportTraceServiceRequest,
-                     context: grpc.aio.ServicerContext
-                     ) -> trace_service_pb2.ExportTraceServiceResponse:
+                     context: object) -> trace_service_pb2.ExportTraceServiceResponse:
+        # Errors travel up to llmmesh.server's interceptor: RetryableError → UNAVAILABLE (the
+        # sender keeps the spans and retries), anything else → INTERNAL.
         try:
             rejections = await self._next.consume(spans_of(request))
         except RetryableError as error:
             log.warning("export refused, sender will retry: %s", error)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        except PermanentError as error:
-            log.error("export dropped: %s", error)
-            await context.abort(grpc.StatusCode.INTERNAL, str(error))
-        except Exception:
-            # A bug must cost at most this batch, never the daemon and the batches after it.
-            log.exception("export failed")
-            await context.abort(grpc.StatusCode.INTERNAL, "costd failed to process the export")
+            raise
         if rejections:
             log.warning("rejected %d usage spans: %s", len(rejections), rejections[0])
         return trace_service_pb2.ExportTraceServiceResponse(

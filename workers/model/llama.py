@@ -147,16 +147,3 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(hidden, weight).float()
-
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy a complete state dict (our parameter names) in, casting to the model's dtype."""
-        params = dict(self.named_parameters())
-        missing, unexpected = params.keys() - weights.keys(), weights.keys() - params.keys()
-        if missing or unexpected:
-            raise ValueError(f"weights mismatch: missing {sorted(missing)[:5]}, "
-                             f"unexpected {sorted(unexpected)[:5]}")
-        for name, tensor in weights.items():
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} in weights, "
-                                 f"{tuple(params[name].shape)} in model")
-            params[name].copy_(tensor)

@@ -1,6 +1,9 @@
 """Builds a ready LlamaForCausalLM: from a GGUF file, or with random weights for unit tests."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
 from workers.model.config import ModelConfig
@@ -14,9 +17,21 @@ def load_model(gguf_path: str, *, device: torch.device | str = "cpu",
     gguf = read_gguf(gguf_path)
     config = config_from_gguf(gguf)
     model = LlamaForCausalLM(config, device=device, dtype=dtype)
-    with torch.no_grad():
-        model.load_weights(load_llama_weights(gguf, config))
+    with _single_cpu_thread():
+        load_llama_weights(gguf, model)
     return model.eval(), config
+
+
+@contextmanager
+def _single_cpu_thread() -> Iterator[None]:
+    """Dequantization is many small memory-bound ops: one thread loads SmolLM2 in ~1.2 s, while
+    two OpenMP threads on a busy 2-core host spun for 10-20 s. Start-up only; restored after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def build_random_model(config: ModelConfig, device: torch.device | str = "cpu",

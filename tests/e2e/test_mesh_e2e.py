@@ -1,0 +1,127 @@
+"""The whole mesh as real processes: redis-server, costd, a worker on the real model, router, gateway."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import redis
+
+from llmmesh import queue
+from llmmesh.launcher import Mesh
+from llmmesh.v1 import common_pb2, cost_pb2, cost_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+KEYS = {"acme": "llmmesh-demo-acme", "globex": "llmmesh-demo-globex"}
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    m = Mesh(var_dir=str(tmp_path_factory.mktemp("mesh")), worker_args=["--max-num-seqs", "8"])
+    try:
+        asyncio.run(m.up(num_workers=1, timeout_s=240))
+        yield m
+    finally:
+        m.down()
+
+
+@pytest.fixture(scope="module")
+def gateway(mesh):
+    with grpc.insecure_channel(mesh.procs["gateway"].address) as channel:
+        yield gateway_pb2_grpc.GatewayServiceStub(channel)
+
+
+def _auth(tenant: str):
+    return (("authorization", f"Bearer {KEYS[tenant]}"),)
+
+
+def _chat(text: str, max_tokens: int = 30, cls=common_pb2.REQUEST_CLASS_INTERACTIVE):
+    req = gateway_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(max_tokens=max_tokens),
+                                      request_class=cls)
+    req.messages.add(role="user", content=text)
+    return req
+
+
+def _stream(stub, req, tenant):
+    chunks, arrivals, final = [], [], None
+    for msg in stub.Generate(req, metadata=_auth(tenant), timeout=120):
+        if msg.HasField("chunk"):
+            chunks.append(msg.chunk)
+            arrivals.append(time.monotonic())
+        else:
+            final = msg.final
+    return chunks, arrivals, final
+
+
+def test_two_tenants_two_classes_billed_as_told(mesh, gateway):
+    chunks, arrivals, final = _stream(gateway, _chat("What is the capital of France?"), "acme")
+    text = "".join(c.text for c in chunks)
+    assert "Paris" in text
+    assert final.request_class == common_pb2.REQUEST_CLASS_INTERACTIVE
+    # Streamed as generated: tokens arrive in several messages spread over time, numbered densely.
+    token_ids = [t for c in chunks for t in c.token_ids]
+    assert len(token_ids) == final.usage.completion_tokens
+    assert [c.index for c in chunks if c.token_ids] == \
+        [sum(len(c.token_ids) for c in chunks[:i] if c.token_ids) for i, c in enumerate(chunks) if c.token_ids]
+    assert len(set(round(a, 3) for a in arrivals)) >= 3
+    assert arrivals[-1] - arrivals[0] > 0.05
+
+    batch = _chat("Name one color of the rainbow.", max_tokens=12, cls=common_pb2.REQUEST_CLASS_BATCH)
+    done = gateway.Complete(gateway_pb2.CompleteRequest(request=batch), metadata=_auth("globex"), timeout=120)
+    assert done.text.strip()
+    assert done.final.request_class == common_pb2.REQUEST_CLASS_BATCH
+    assert len(done.token_ids) == done.final.usage.completion_tokens <= 12
+
+    told = {"acme": final.usage, "globex": done.final.usage}
+    with grpc.insecure_channel(mesh.procs["costd"].address) as channel:
+        costd = cost_pb2_grpc.CostServiceStub(channel)
+        deadline = time.monotonic() + 20
+        while True:
+            got = {t: costd.GetUsage(cost_pb2.GetUsageRequest(tenant_id=t)) for t in told}
+            if all(g.requests == 1 for g in got.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        for tenant, usage in told.items():
+            assert got[tenant].requests == 1
+            assert got[tenant].prompt_tokens == usage.prompt_tokens > 0
+            assert got[tenant].completion_tokens == usage.completion_tokens > 0
+            assert got[tenant].decode_device_seconds > 0
+        nobody = costd.GetUsage(cost_pb2.GetUsageRequest(tenant_id="nobody"))
+        assert nobody.requests == 0 and nobody.completion_tokens == 0
+
+    # Every entry was acknowledged once its request ended.
+    r = redis.Redis.from_url(mesh.redis_url)
+    for cls in queue.CLASSES:
+        assert r.xpending(queue.queue_stream(cls), queue.ROUTER_GROUP)["pending"] == 0
+
+
+def _code(fn):
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value.code(), info.value.details()
+
+
+def test_bad_input_gets_a_precise_status_and_the_gateway_keeps_serving(gateway):
+    ok = _chat("Say hi.", max_tokens=2)
+    code, _ = _code(lambda: gateway.Complete(gateway_pb2.CompleteRequest(request=ok), timeout=30))
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    code, _ = _code(lambda: gateway.Complete(gateway_pb2.CompleteRequest(request=ok), timeout=30,
+                                             metadata=(("authorization", "Bearer wrong"),)))
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    unknown = _chat("hi", 2)
+    unknown.model = "gpt-17"
+    code, details = _code(lambda: gateway.Complete(gateway_pb2.CompleteRequest(request=unknown),
+                                                   metadata=_auth("acme"), timeout=30))
+    assert code == grpc.StatusCode.NOT_FOUND and "gpt-17" in details
+    for bad_max in (0, -3, 10**6):
+        req = _chat("hi", bad_max)
+        code, details = _code(lambda: gateway.Complete(gateway_pb2.CompleteRequest(request=req),
+                                                       metadata=_auth("acme"), timeout=30))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "sampling.max_tokens" in details
+    empty = gateway_pb2.GenerateRequest(prompt="", sampling=common_pb2.SamplingParams(max_tokens=2))
+    code, details = _code(lambda: list(gateway.Generate(empty, metadata=_auth("acme"), timeout=30)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in details
+    # Still serving after every refusal.
+    done = gateway.Complete(gateway_pb2.CompleteRequest(request=ok), metadata=_auth("acme"), timeout=60)
+    assert done.final.usage.completion_tokens >= 1

@@ -1,0 +1,211 @@
+"""Scheduler without a model: token budgets, chunked prefill, priorities, preemption, stops, billing."""
+from __future__ import annotations
+
+import pytest
+
+from workers.engine.config import CacheInfo, EngineConfig
+from workers.engine.outputs import ModelRunnerOutput
+from workers.engine.request import Priority, Request, RequestStatus
+from workers.engine.sampling import SamplingParams
+from workers.engine.scheduler import Scheduler
+
+BLOCK, EOS, TOKEN = 4, 2, 7
+I, B = Priority.INTERACTIVE, Priority.BATCH
+
+
+def make_scheduler(num_blocks=32, budget=64, max_seqs=8, max_model_len=128,
+                   caching=True) -> Scheduler:
+    config = EngineConfig(block_size=BLOCK, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                          enable_prefix_caching=caching)
+    return Scheduler(config, CacheInfo(num_blocks, BLOCK, 1, max_model_len), frozenset({EOS}))
+
+
+def add(scheduler: Scheduler, request_id: str, num_prompt: int, *, priority=I, arrival=0.0,
+        first_token=10, **sampling) -> Request:
+    params = SamplingParams(**{"max_tokens": 8, "temperature": 0, **sampling})
+    request = Request(request_id, list(range(first_token, first_token + num_prompt)), params,
+                      block_size=BLOCK, priority=priority, arrival_time=arrival)
+    scheduler.add_request(request)
+    return request
+
+
+def step(scheduler: Scheduler, token=TOKEN, step_s=1.0):
+    out = scheduler.schedule()
+    sampled = {r.request_id: token for r, n in zip(out.requests, out.num_scheduled_tokens)
+               if r.num_computed_tokens + n == r.num_tokens}
+    return out, scheduler.update_from_output(out, ModelRunnerOutput(sampled), step_s)
+
+
+def plan(out) -> list[tuple[str, int]]:
+    return [(r.request_id, n) for r, n in zip(out.requests, out.num_scheduled_tokens)]
+
+
+def test_chunked_prefill_shares_the_budget_with_decodes():
+    scheduler = make_scheduler(budget=8)
+    add(scheduler, "a", 3, arrival=0)
+    add(scheduler, "b", 10, arrival=1)
+    out, outputs = step(scheduler)
+    assert plan(out) == [("a", 3), ("b", 5)]
+    assert [(o.request_id, o.new_token_ids) for o in outputs] == [("a", [TOKEN])]
+    out, outputs = step(scheduler)
+    assert plan(out) == [("a", 1), ("b", 5)]
+    assert [o.request_id for o in outputs] == ["a", "b"]
+    out, _ = step(scheduler)
+    assert plan(out) == [("a", 1), ("b", 1)]
+
+
+def test_interactive_is_admitted_before_an_earlier_batch_request():
+    scheduler = make_scheduler(max_seqs=1)
+    add(scheduler, "batch", 4, priority=B, arrival=0)
+    add(scheduler, "chat", 4, priority=I, arrival=1)
+    out, _ = step(scheduler)
+    assert plan(out) == [("chat", 4)]
+
+
+def test_within_a_class_first_come_first_served():
+    scheduler = make_scheduler(max_seqs=1)
+    add(scheduler, "late", 4, priority=B, arrival=1)
+    add(scheduler, "early", 4, priority=B, arrival=0)
+    out, _ = step(scheduler)
+    assert plan(out) == [("early", 4)]
+
+
+def test_out_of_blocks_preempts_batch_before_an_older_interactive():
+    scheduler = make_scheduler(num_blocks=6)
+    batch = add(scheduler, "batch", 8, priority=B, arrival=0)
+    add(scheduler, "i1", 8, arrival=1)
+    add(scheduler, "i2", 8, arrival=2)
+    step(scheduler)                                   # 3 x 2 blocks: the pool is full
+    out, _ = step(scheduler)                          # each decode needs a third block
+    assert plan(out) == [("i1", 1), ("i2", 1)]
+    assert out.preempted_request_ids == ("batch",)
+    assert batch.status == RequestStatus.PREEMPTED and batch.num_preemptions == 1
+    assert batch.num_computed_tokens == 0 and batch.block_ids == []
+    assert scheduler.waiting == [batch]
+
+
+def test_out_of_blocks_in_one_class_preempts_the_latest_arrival():
+    scheduler = make_scheduler(num_blocks=6)
+    for i in range(3):
+        add(scheduler, f"r{i}", 8, arrival=i)
+    step(scheduler)
+    out, _ = step(scheduler)
+    assert plan(out) == [("r0", 1), ("r1", 1)] and out.preempted_request_ids == ("r2",)
+
+
+def test_preempted_request_resumes_and_recomputes_its_generated_tokens():
+    scheduler = make_scheduler(num_blocks=6)
+    batch = add(scheduler, "batch", 8, priority=B, arrival=0)
+    add(scheduler, "i1", 8, arrival=1, max_tokens=2)
+    add(scheduler, "i2", 8, arrival=2, max_tokens=2)
+    step(scheduler)
+    step(scheduler)                                   # batch preempted; i1, i2 finish
+    out, outputs = step(scheduler)
+    assert plan(out) == [("batch", 1)]                # its 2 full blocks survived as cache hits
+    assert batch.output_token_ids == [TOKEN, TOKEN] and outputs[0].new_token_ids == [TOKEN]
+    assert batch.num_cached_tokens == 0               # usage reports the first admission
+
+
+def test_full_batch_seats_interactive_by_preempting_batch():
+    scheduler = make_scheduler(max_seqs=2)
+    add(scheduler, "b1", 4, priority=B, arrival=0)
+    b2 = add(scheduler, "b2", 4, priority=B, arrival=1)
+    step(scheduler)
+    add(scheduler, "chat", 4, priority=I, arrival=2)
+    out, _ = step(scheduler)
+    assert plan(out) == [("b1", 1), ("chat", 4)]
+    assert out.preempted_request_ids == ("b2",) and b2.status == RequestStatus.PREEMPTED
+
+
+def test_full_batch_never_preempts_the_same_or_a_higher_class():
+    scheduler = make_scheduler(max_seqs=2)
+    add(scheduler, "i1", 4, arrival=0)
+    add(scheduler, "i2", 4, arrival=1)
+    add(scheduler, "b1", 4, priority=B, arrival=2)
+    step(scheduler)
+    add(scheduler, "i3", 4, arrival=3)
+    out, _ = step(scheduler)
+    assert plan(out) == [("i1", 1), ("i2", 1)] and out.preempted_request_ids == ()
+    assert [r.request_id for r in scheduler.waiting] == ["i3", "b1"]
+
+
+def test_abort_frees_blocks_at_once_and_is_reported_to_the_runner():
+    scheduler = make_scheduler(num_blocks=8)
+    add(scheduler, "a", 9, arrival=0)
+    add(scheduler, "w", 4, arrival=1, max_tokens=1)
+    scheduler.schedule()
+    assert scheduler.kv.num_free_blocks == 4
+    final = scheduler.abort("a")
+    assert final.finished and final.finish_reason == "abort" and final.new_token_ids == []
+    assert final.usage.prompt_tokens == 9 and final.usage.completion_tokens == 0
+    assert scheduler.kv.num_free_blocks == 7               # w still holds one
+    assert scheduler.abort("a") is None and scheduler.abort("nope") is None
+    assert scheduler.schedule().finished_request_ids == {"a"}
+
+
+def test_abort_of_a_waiting_request():
+    scheduler = make_scheduler(max_seqs=1)
+    add(scheduler, "a", 4, arrival=0)
+    add(scheduler, "b", 4, arrival=1)
+    assert scheduler.abort("b").finish_reason == "abort"
+    assert scheduler.waiting[0].request_id == "a" and len(scheduler.waiting) == 1
+
+
+@pytest.mark.parametrize("token, sampling, reason, num_outputs", [
+    (EOS, {}, "stop", 1),
+    (5, {"stop_token_ids": [5]}, "stop", 1),
+    (EOS, {"ignore_eos": True, "max_tokens": 3}, "length", 3),
+    (TOKEN, {"max_tokens": 2}, "length", 2),
+])
+def test_stop_conditions(token, sampling, reason, num_outputs):
+    scheduler = make_scheduler()
+    request = add(scheduler, "a", 4, **sampling)
+    outputs = []
+    while scheduler.has_work():
+        outputs += step(scheduler, token=token)[1]
+    assert [o.finished for o in outputs] == [False] * (num_outputs - 1) + [True]
+    assert outputs[-1].finish_reason == reason and request.num_output_tokens == num_outputs
+    assert scheduler.kv.num_free_blocks == 32 and scheduler.requests == {}
+
+
+def test_context_limit_stops_with_length():
+    scheduler = make_scheduler(max_model_len=6)
+    add(scheduler, "a", 4, max_tokens=100)
+    outputs = []
+    while scheduler.has_work():
+        outputs += step(scheduler)[1]
+    assert len(outputs) == 2 and outputs[-1].finish_reason == "length"
+
+
+def test_step_time_is_split_by_tokens_and_by_kind():
+    scheduler = make_scheduler(budget=8)
+    a = add(scheduler, "a", 3, arrival=0)
+    b = add(scheduler, "b", 10, arrival=1)
+    step(scheduler, step_s=8.0)                       # a: 3 prefill, b: 5 prefill
+    assert (a.prefill_device_s, b.prefill_device_s) == (3.0, 5.0)
+    step(scheduler, step_s=6.0)                       # a: 1 decode, b: 5 prefill
+    assert (a.prefill_device_s, a.decode_device_s) == (3.0, 1.0)
+    assert (b.prefill_device_s, b.decode_device_s) == (10.0, 0.0)
+
+
+def test_recompute_of_generated_tokens_is_billed_as_decode():
+    scheduler = make_scheduler(caching=False)
+    request = add(scheduler, "a", 3)
+    step(scheduler)
+    step(scheduler)                                   # 3 prompt + 2 generated tokens
+    scheduler._preempt(request)
+    request.prefill_device_s = request.decode_device_s = 0.0
+    out, _ = step(scheduler, step_s=5.0)
+    assert plan(out) == [("a", 5)]
+    assert (request.prefill_device_s, request.decode_device_s) == (3.0, 2.0)
+
+
+def test_prefix_hit_is_reported_in_usage_and_skips_computed_tokens():
+    scheduler = make_scheduler()
+    add(scheduler, "a", 10, max_tokens=1)
+    step(scheduler)
+    add(scheduler, "b", 10, max_tokens=1)
+    out, outputs = step(scheduler)
+    assert plan(out) == [("b", 2)]
+    assert outputs[0].usage.cached_prompt_tokens == 8 and outputs[0].usage.prompt_tokens == 10
+    assert scheduler.load().prefix_cache_hit_rate == 8 / 20

@@ -1,0 +1,81 @@
+"""The synchronous engine: one step is schedule -> execute -> update."""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from workers.engine.config import CacheInfo, EngineConfig
+from workers.engine.model_runner import ModelRunner
+from workers.engine.outputs import EngineLoad, RequestOutput
+from workers.engine.request import Priority, Request
+from workers.engine.sampling import SamplingParams
+from workers.engine.scheduler import Scheduler
+from workers.model import load_model
+from workers.model.llama import LlamaForCausalLM
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None = None) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        if model is None:
+            model, _ = load_model(config.gguf_path, device=config.device,
+                                  dtype=config.torch_dtype)
+        self.config = config
+        self.vocab_size = model.config.vocab_size
+        self.runner = ModelRunner(model, config)
+        self.cache_info: CacheInfo = self.runner.cache_info
+        self.scheduler = Scheduler(config, self.cache_info,
+                                   frozenset({model.config.eos_token_id}))
+
+    def make_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                     sampling: SamplingParams, *, priority: int = Priority.INTERACTIVE,
+                     cache_salt: str = "") -> Request:
+        """A validated request; raises ValueError naming the bad field. Touches no engine state,
+        so any thread may call it."""
+        if not request_id:
+            raise ValueError("request_id: must not be empty")
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids: must not be empty")
+        if len(prompt_token_ids) >= self.cache_info.max_model_len:
+            raise ValueError(f"prompt_token_ids: {len(prompt_token_ids)} tokens leave no room to "
+                             f"generate within the context of {self.cache_info.max_model_len}")
+        if not all(0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt_token_ids: ids must be in [0, {self.vocab_size})")
+        if priority not in Priority.__members__.values():
+            raise ValueError(f"priority: must be one of {[int(p) for p in Priority]}")
+        return Request(request_id, prompt_token_ids, sampling, block_size=self.config.block_size,
+                       priority=Priority(priority), cache_salt=cache_salt)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str, error: str | None = None) -> RequestOutput | None:
+        return self.scheduler.abort(request_id, error)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        runner_output = self.runner.execute(scheduler_output)
+        # The wall time of the whole step is billed, so per-request device-seconds add up to the
+        # engine's busy time.
+        return self.scheduler.update_from_output(scheduler_output, runner_output,
+                                                 time.perf_counter() - started)
+
+    def fail_running(self, error: str) -> list[RequestOutput]:
+        """End every running request with an error (after a failed step, their KV is suspect)."""
+        running = [r.request_id for r in self.scheduler.running]
+        return [self.abort_request(request_id, error) for request_id in running]
+
+    def abort_all(self, error: str) -> list[RequestOutput]:
+        return [self.abort_request(request_id, error) for request_id in list(self.scheduler.requests)]
+
+    def load(self) -> EngineLoad:
+        return self.scheduler.load()
