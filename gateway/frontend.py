@@ -13,13 +13,17 @@ from redis.exceptions import RedisError
 from gateway.tenants import Tenant
 from gateway.validation import ValidRequest
 from llmmesh import queue, telemetry
-from llmmesh.errors import (AlreadyExists, DeadlineExceeded, ResourceExhausted, Unavailable,
-                            error_from_code)
+from llmmesh.admission import REFUSALS, Admission, Reservation
+from llmmesh.admission import keys as admission_keys
+from llmmesh.errors import (AlreadyExists, DeadlineExceeded, InvalidArgument, ResourceExhausted,
+                            Unavailable, error_from_code)
 from llmmesh.prefix_hash import block_hashes
 from llmmesh.tokenizer import IncrementalDetokenizer
 
 # How long one XREAD blocks; bounds how late a deadline or a dead Redis is noticed.
 _POLL_BLOCK_MS = 500
+# Concurrency slots of requests without a deadline expire after this, should nobody settle them.
+_DEFAULT_LEASE_S = 900.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +57,7 @@ class Frontend:
         self.redis = redis
         self.config = config
         self.tracer = tracer
+        self.admission = Admission(redis)
 
     async def generate(self, tenant: Tenant, req: ValidRequest,
                        deadline_unix_ns: int) -> AsyncIterator[TokensOut | FinalOut]:
@@ -64,7 +69,12 @@ class Frontend:
                 telemetry.REQUEST_CLASS: request_class})
             entry = self._entry(tenant, req, request_class, deadline_unix_ns)
             try:
-                await self._enqueue(entry)
+                entry.reservation = (await self._admit(tenant, req, deadline_unix_ns)).to_dict()
+                try:
+                    await self._enqueue(entry)
+                except BaseException:
+                    await self.admission.settle(Reservation(**entry.reservation), 0)
+                    raise
                 async for out in self._relay(req, request_class, deadline_unix_ns):
                     if isinstance(out, FinalOut):
                         span.set_attributes({
@@ -73,6 +83,26 @@ class Frontend:
                     yield out
             except RedisError as exc:
                 raise Unavailable(f"queue store unavailable ({type(exc).__name__}); retry") from exc
+
+    async def _admit(self, tenant: Tenant, req: ValidRequest, deadline_unix_ns: int) -> Reservation:
+        plan = tenant.plan
+        need = len(req.prompt_token_ids) + req.sampling["max_tokens"]
+        for limit, what in ((plan.tokens_per_minute, "tokens-per-minute limit"),
+                            (plan.token_budget, "token budget")):
+            if limit and need > limit:
+                raise InvalidArgument("sampling.max_tokens", f"prompt + max_tokens = {need} tokens "
+                                      f"exceeds your plan's {what} of {limit}; lower max_tokens")
+        period, period_end_s = plan.period(time.time())
+        lease_s = (deadline_unix_ns - time.time_ns()) / 1e9 if deadline_unix_ns else _DEFAULT_LEASE_S
+        code, retry_s = await self.admission.admit(
+            tenant_id=tenant.tenant_id, request_id=req.request_id,
+            rpm=plan.requests_per_minute, tpm=plan.tokens_per_minute,
+            max_concurrent=plan.max_concurrent, budget=plan.token_budget, period=period,
+            period_end_s=period_end_s, tokens=need, lease_s=max(1.0, lease_s))
+        if code:
+            raise ResourceExhausted(f"tenant {tenant.tenant_id}: {REFUSALS[code]} reached", retry_s)
+        budget_key = admission_keys(tenant.tenant_id, period)[3] if plan.token_budget else ""
+        return Reservation(tenant.tenant_id, req.request_id, need, budget_key)
 
     def _entry(self, tenant: Tenant, req: ValidRequest, request_class: str,
                deadline_unix_ns: int) -> queue.QueueEntry:

@@ -9,9 +9,43 @@ import hashlib
 import os
 import tomllib
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 
 from llmmesh.errors import Unauthenticated
 from llmmesh.queue import CLASSES
+
+
+_PERIODS = ("none", "day", "month")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A tenant's limits; 0 means unlimited."""
+
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    max_concurrent: int = 0
+    token_budget: int = 0
+    budget_period: str = "month"
+
+    def __post_init__(self):
+        for name in ("requests_per_minute", "tokens_per_minute", "max_concurrent", "token_budget"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.budget_period not in _PERIODS:
+            raise ValueError(f"budget_period must be one of {_PERIODS}")
+
+    def period(self, now_s: float) -> tuple[str, float]:
+        """(period id, period end in unix seconds), in UTC."""
+        t = datetime.fromtimestamp(now_s, timezone.utc)
+        if self.budget_period == "day":
+            start = t.replace(hour=0, minute=0, second=0, microsecond=0)
+            return start.strftime("%Y-%m-%d"), (start + timedelta(days=1)).timestamp()
+        if self.budget_period == "month":
+            start = t.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+            nxt = (start + timedelta(days=32)).replace(day=1)
+            return start.strftime("%Y-%m"), nxt.timestamp()
+        return "all", now_s + 365 * 86400
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +53,7 @@ class Tenant:
     tenant_id: str
     allowed_classes: tuple[str, ...]
     cache_scope: str
+    plan: Plan = Plan()
 
     def cap_class(self, requested: str) -> str:
         """The requested class if the plan allows it, else batch (the class every plan has)."""
@@ -36,7 +71,8 @@ def _parse(raw: dict) -> dict[str, Tenant]:
         unknown = set(classes) - set(CLASSES)
         if unknown:
             raise ValueError(f"tenant {tenant_id}: unknown classes {sorted(unknown)}")
-        tenant = Tenant(tenant_id, classes, body.get("cache_scope", tenant_id))
+        plan = Plan(**{k: body[k] for k in Plan.__dataclass_fields__ if k in body})
+        tenant = Tenant(tenant_id, classes, body.get("cache_scope", tenant_id), plan)
         for digest in body.get("api_key_sha256", []):
             by_digest[digest.lower()] = tenant
     return by_digest

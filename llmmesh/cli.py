@@ -133,6 +133,22 @@ def hash_key(api_key: str) -> None:
     typer.echo(hashlib.sha256(api_key.encode()).hexdigest())
 
 
+def _register_extensions() -> None:
+    """Commands that live in their own modules (billing, benchmarks) add themselves here."""
+    import importlib
+    for module in ("llmmesh.cli_cost", "llmmesh.cli_bench"):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        mod.register(app)
+
+
+_register_extensions()
+
+
 def main() -> None:
     app()
 

@@ -53,6 +53,8 @@ class QueueEntry:
     deadline_unix_ns: int = 0
     enqueued_unix_ns: int = 0
     traceparent: dict[str, str] = field(default_factory=dict)
+    # llmmesh.admission.Reservation as a dict: settled by whoever ends the request.
+    reservation: dict[str, Any] = field(default_factory=dict)
 
     def encode(self) -> dict[str, str]:
         return {"d": json.dumps(asdict(self), separators=(",", ":"))}

@@ -205,32 +205,40 @@ def _compile_template(source: str) -> Any:
 class IncrementalDetokenizer:
     """Turns a stream of token ids into a stream of text, never splitting a UTF-8 character.
 
-    Decodes a sliding window (vLLM/TGI's prefix/read offsets) so each push costs O(window), and
-    holds text back while it ends in U+FFFD, i.e. while a multi-byte character is incomplete.
+    Decodes a sliding window (vLLM/TGI's prefix/read offsets) so each push costs O(window). Text
+    ending in U+FFFD is an incomplete multi-byte character: everything before it is emitted, the
+    character itself waits for the tokens that complete it.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._ids: list[int] = []
-        self._prefix_offset = 0
-        self._read_offset = 0
+        self._prefix_offset = 0   # window start: decoding from here reproduces the text exactly
+        self._read_offset = 0     # tokens before this are fully emitted
+        self._emitted = 0         # characters already emitted past the read offset's text
 
     def push(self, token_ids: Iterable[int]) -> str:
         self._ids.extend(token_ids)
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         full_text = self._decode(self._prefix_offset, len(self._ids))
-        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
-            return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        return full_text[len(prefix_text):]
+        complete = not full_text.endswith(_REPLACEMENT_CHAR)
+        stable = full_text if complete else full_text.rstrip(_REPLACEMENT_CHAR)
+        new_text = stable[len(prefix_text) + self._emitted:]
+        if complete:
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            self._emitted = 0
+        else:
+            self._emitted += len(new_text)
+        return new_text
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character decodes as U+FFFD)."""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         full_text = self._decode(self._prefix_offset, len(self._ids))
         self._prefix_offset = self._read_offset = len(self._ids)
-        return full_text[len(prefix_text):]
+        held, self._emitted = full_text[len(prefix_text) + self._emitted:], 0
+        return held
 
     def _decode(self, start: int, end: int) -> str:
         if start >= end:

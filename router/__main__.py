@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 
 from llmmesh import server, telemetry
 from router.dispatcher import Dispatcher, DispatcherConfig
+from router.fairness import ClassPolicy
 from router.policy import POLICIES, make_policy
 from router.registry import WorkerRegistry
 
@@ -35,9 +36,9 @@ async def main() -> None:
                                     socket_connect_timeout=2.0, health_check_interval=10)
     registry = WorkerRegistry(redis)
     dispatcher = Dispatcher(redis, registry, make_policy(args.policy),
-                            DispatcherConfig(consumer=args.consumer,
-                                             batch_min_share=args.batch_min_share), tracer)
-    tasks = [asyncio.create_task(t) for t in (registry.run(), dispatcher.run(), dispatcher.watch_cancels())]
+                            DispatcherConfig(consumer=args.consumer, class_policy=ClassPolicy(
+                                batch_min_share=args.batch_min_share)), tracer)
+    tasks = [asyncio.create_task(t) for t in (registry.run(), dispatcher.run(), dispatcher.watch_cancels(), dispatcher.reclaim())]
 
     async def close():
         for t in tasks:

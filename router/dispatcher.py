@@ -17,7 +17,9 @@ from opentelemetry import trace
 from redis.exceptions import RedisError, ResponseError
 
 from llmmesh import queue, telemetry
+from llmmesh.admission import Admission, Reservation
 from llmmesh.v1 import worker_pb2
+from router.fairness import ClassPolicy, ClassScheduler
 from router.policy import Policy
 from router.registry import WorkerHandle, WorkerRegistry
 from router.relay import MAX_ATTEMPTS, RequestFailed, RequestProgress, record_usage, run_attempt
@@ -28,12 +30,27 @@ log = logging.getLogger("router.dispatcher")
 @dataclass(frozen=True, slots=True)
 class DispatcherConfig:
     consumer: str
-    batch_min_share: float = 0.2
+    class_policy: ClassPolicy = ClassPolicy()
+    quantum_tokens: int = 512
+    # Entries read ahead of dispatch: fair sharing can only choose among what it has read.
+    prefetch: int = 256
     block_ms: int = 200
+    # Entries pending this long on a router that stopped heartbeating are taken over.
+    claim_idle_ms: int = 15_000
+    heartbeat_s: float = 3.0
 
     def __post_init__(self):
-        if not 0.0 <= self.batch_min_share <= 1.0:
-            raise ValueError("batch_min_share must be in [0, 1]")
+        if self.prefetch <= 0 or self.claim_idle_ms <= self.heartbeat_s * 2000:
+            raise ValueError("prefetch must be positive and claim_idle_ms > 2 heartbeats")
+
+
+@dataclass(slots=True)
+class Held:
+    """A queue entry this router has read and not yet acknowledged."""
+
+    request_class: str
+    entry_id: str
+    progress: RequestProgress
 
 
 class Dispatcher:
@@ -41,9 +58,12 @@ class Dispatcher:
                  config: DispatcherConfig, tracer: trace.Tracer):
         self.redis, self.registry, self.policy = redis, registry, policy
         self.config, self.tracer = config, tracer
-        self.running: dict[str, tuple[asyncio.Task, RequestProgress]] = {}
+        self.admission = Admission(redis)
+        self.sched: ClassScheduler[Held] = ClassScheduler(config.class_policy, config.quantum_tokens)
+        self.held: dict[str, Held] = {}          # entry id -> entry, buffered or running
+        self.running: dict[str, Held] = {}       # request id -> entry being served
         self._slot_freed = asyncio.Event()
-        self._dispatched = {"interactive": 0, "batch": 0}
+        self._batch_inflight = 0
 
     async def ensure_groups(self) -> None:
         for cls in queue.CLASSES:
@@ -51,70 +71,105 @@ class Dispatcher:
                 await self.redis.xgroup_create(queue.queue_stream(cls), queue.ROUTER_GROUP,
                                                id="0", mkstream=True)
 
-    def _read_order(self) -> list[str]:
-        total = sum(self._dispatched.values())
-        if total and self._dispatched["batch"] / total < self.config.batch_min_share:
-            return ["batch", "interactive"]
-        return ["interactive", "batch"]
-
-    async def _read(self, capacity: int) -> list[tuple[str, str, dict]]:
-        got: list[tuple[str, str, dict]] = []
-        for cls in self._read_order():
-            if len(got) >= capacity:
-                break
-            reply = await self.redis.xreadgroup(
-                queue.ROUTER_GROUP, self.config.consumer, {queue.queue_stream(cls): ">"},
-                count=capacity - len(got))
-            got += [(cls, eid, f) for _, entries in reply or () for eid, f in entries]
-        if not got:
-            streams = {queue.queue_stream(c): ">" for c in self._read_order()}
-            reply = await self.redis.xreadgroup(queue.ROUTER_GROUP, self.config.consumer, streams,
-                                                count=1, block=self.config.block_ms)
-            got += [(s.rsplit(":", 1)[1], eid, f) for s, entries in reply or () for eid, f in entries]
-        return got
-
     async def run(self) -> None:
         await self.ensure_groups()
         while True:
-            capacity = sum(h.free_slots for h in self.registry.workers.values())
-            if capacity <= 0:
-                self._slot_freed.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._slot_freed.wait(), 0.5)
-                continue
             try:
-                entries = await self._read(capacity)
+                await self._fill()
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("consumer group missing (Redis restarted?); recreating it")
+                await self.ensure_groups()
+                continue
             except RedisError as exc:
                 log.warning("queue read failed (%s); retrying", exc)
                 await asyncio.sleep(0.5)
                 continue
-            for cls, entry_id, fields in entries:
-                self._dispatched[cls] += 1
-                self._start(cls, entry_id, fields)
+            self._dispatch_ready()
 
-    def _start(self, cls: str, entry_id: str, fields: dict) -> None:
+    def _slots(self) -> tuple[int, int]:
+        workers = [h for h in self.registry.workers.values() if h.healthy]
+        return sum(h.free_slots for h in workers), sum(h.max_inflight for h in workers)
+
+    async def _fill(self) -> None:
+        room = self.config.prefetch - len(self.sched)
+        free, _ = self._slots()
+        if room <= 0 or (len(self.sched) and free <= 0):
+            self._slot_freed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._slot_freed.wait(), 0.05)
+            if room <= 0:
+                return
+        block = None if len(self.sched) and free > 0 else self.config.block_ms
+        streams = {queue.queue_stream(c): ">" for c in queue.CLASSES}
+        reply = await self.redis.xreadgroup(queue.ROUTER_GROUP, self.config.consumer, streams,
+                                            count=room, block=block)
+        for stream, entries in reply or ():
+            cls = stream.rsplit(":", 1)[1]
+            for entry_id, fields in entries:
+                self._hold(cls, entry_id, fields)
+
+    def _hold(self, cls: str, entry_id: str, fields: dict) -> None:
+        if entry_id in self.held:
+            return
         entry = queue.QueueEntry.decode(fields)
-        progress = RequestProgress(entry)
-        task = asyncio.create_task(self._serve(cls, entry_id, progress))
-        self.running[entry.request_id] = (task, progress)
-        task.add_done_callback(lambda _: self.running.pop(entry.request_id, None))
+        held = Held(cls, entry_id, RequestProgress(entry))
+        self.held[entry_id] = held
+        cost = len(entry.prompt_token_ids) + int(entry.sampling.get("max_tokens", 0))
+        self.sched.push(cls, entry.tenant_id, held, cost)
+
+    def _dispatch_ready(self) -> None:
+        while True:
+            free, total = self._slots()
+            picked = self.sched.pop(free, total, self._batch_inflight)
+            if picked is None:
+                return
+            self._start(picked[1])
+
+    def _start(self, held: Held) -> None:
+        rid = held.progress.entry.request_id
+        self.running[rid] = held
+        if held.request_class == "batch":
+            self._batch_inflight += 1
+        task = asyncio.create_task(self._serve(held.request_class, held.entry_id, held.progress))
+
+        def done(_):
+            self.running.pop(rid, None)
+            self.held.pop(held.entry_id, None)
+            if held.request_class == "batch":
+                self._batch_inflight -= 1
+            self._slot_freed.set()
+        task.add_done_callback(done)
 
     async def _serve(self, cls: str, entry_id: str, p: RequestProgress) -> None:
         e = p.entry
+        ended = await self._recover_progress(p)
+        if ended is not None:  # a router died between ending the request and acknowledging it
+            if e.reservation:
+                await self.admission.settle(Reservation(**e.reservation), ended)
+            await self.redis.xack(queue.queue_stream(cls), queue.ROUTER_GROUP, entry_id)
+            return
         ctx = telemetry.extract_context(e.traceparent)
+        billed = False
         with self.tracer.start_as_current_span("router dispatch", context=ctx) as span:
             try:
                 reason, device = await self._attempts(p)
                 await self.redis.xadd(queue.result_stream(e.request_id),
                                       queue.final_event(reason, p.usage()))
                 record_usage(span, p, reason, device)
+                billed = True
             except RequestFailed as exc:
                 span.set_status(trace.StatusCode.ERROR, exc.message)
-                if p.delivered:
+                if p.delivered:  # tokens were produced and delivered: they are billed
                     record_usage(span, p, "error", "")
+                    billed = True
                 await self.redis.xadd(queue.result_stream(e.request_id),
                                       queue.error_event(exc.code, exc.message))
             await self.redis.expire(queue.result_stream(e.request_id), queue.RESULT_TTL_S)
+            if e.reservation:
+                used = len(e.prompt_token_ids) + len(p.delivered) if billed else 0
+                await self.admission.settle(Reservation(**e.reservation), used)
             await self.redis.xack(queue.queue_stream(cls), queue.ROUTER_GROUP, entry_id)
 
     async def _attempts(self, p: RequestProgress) -> tuple[str, str]:
@@ -124,6 +179,8 @@ class Dispatcher:
         if await self.redis.exists(queue.cancel_key(e.request_id)):
             raise RequestFailed("CANCELLED", "request cancelled before it started")
         while p.attempts < MAX_ATTEMPTS:
+            if p.cancelled:
+                raise RequestFailed("CANCELLED", "request cancelled by the client")
             worker = await self._pick(e)
             p.worker_ids.append(worker.worker_id)
             worker.num_inflight += 1
@@ -139,6 +196,48 @@ class Dispatcher:
             worker.healthy = False  # until its lease is renewed and a probe succeeds
         await self.redis.xadd(queue.DEAD_LETTER_STREAM, p.entry.encode())
         raise RequestFailed("UNAVAILABLE", f"request failed on {MAX_ATTEMPTS} workers; retry later")
+
+    async def _recover_progress(self, p: RequestProgress) -> int | None:
+        """For an entry taken over from a dead router: continue after the tokens its result
+        stream already holds. When the request had in fact ended, the tokens it used."""
+        events = await self.redis.xrange(queue.result_stream(p.entry.request_id))
+        for _, fields in events:
+            event = queue.decode_event(fields)
+            if event["kind"] == "final":
+                return event["usage"]["prompt_tokens"] + event["usage"]["completion_tokens"]
+            if event["kind"] == "error":
+                return len(p.entry.prompt_token_ids) + len(p.delivered) if p.delivered else 0
+            if event["index"] == len(p.delivered):
+                p.delivered.extend(event["ids"])
+        if p.delivered:
+            log.info("request %s resumes after %d delivered tokens", p.entry.request_id,
+                     len(p.delivered))
+        return None
+
+    async def reclaim(self) -> None:
+        """Heartbeat our own pending entries and take over those of routers that stopped."""
+        while True:
+            try:
+                await self._heartbeat_and_claim()
+            except RedisError as exc:
+                log.warning("reclaim failed: %s", exc)
+            await asyncio.sleep(self.config.heartbeat_s)
+
+    async def _heartbeat_and_claim(self) -> None:
+        for cls in queue.CLASSES:
+            stream = queue.queue_stream(cls)
+            mine = [h.entry_id for h in self.held.values() if h.request_class == cls]
+            if mine:  # XCLAIM to ourselves resets the idle clock other routers watch
+                await self.redis.xclaim(stream, queue.ROUTER_GROUP, self.config.consumer, 0,
+                                        mine, justid=True)
+            _, claimed, _ = await self.redis.xautoclaim(
+                stream, queue.ROUTER_GROUP, self.config.consumer, self.config.claim_idle_ms,
+                start_id="0-0", count=self.config.prefetch)
+            for entry_id, fields in claimed:
+                if fields and entry_id not in self.held:
+                    log.warning("took over %s entry %s from a stopped router", cls, entry_id)
+                    self._hold(cls, entry_id, fields)
+        self._dispatch_ready()
 
     async def _pick(self, entry: queue.QueueEntry) -> WorkerHandle:
         while True:
@@ -159,16 +258,25 @@ class Dispatcher:
                 async for message in pubsub.listen():
                     if message.get("type") != "message":
                         continue
-                    running = self.running.get(message["data"])
-                    if running is not None:
-                        await self._abort_on_worker(running[1])
+                    held = self.running.get(message["data"])
+                    if held is not None:
+                        asyncio.create_task(self._abort_on_worker(held.progress))
             except RedisError as exc:
                 log.warning("cancel channel lost (%s); resubscribing", exc)
                 await asyncio.sleep(0.5)
 
     async def _abort_on_worker(self, p: RequestProgress) -> None:
-        handle = self.registry.workers.get(p.worker_ids[-1]) if p.worker_ids else None
-        if handle is not None:
-            with contextlib.suppress(Exception):
-                await handle.stub.Abort(worker_pb2.AbortRequest(request_id=p.entry.request_id),
-                                        timeout=1.0)
+        """Abort the request on its worker; retried briefly because the cancel can race the
+        worker's admission of the request (Abort answers False until the worker knows it)."""
+        p.cancelled = True
+        for _ in range(20):
+            handle = self.registry.workers.get(p.worker_ids[-1]) if p.worker_ids else None
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    reply = await handle.stub.Abort(
+                        worker_pb2.AbortRequest(request_id=p.entry.request_id), timeout=1.0)
+                    if reply.aborted:
+                        return
+            if p.entry.request_id not in self.running:
+                return
+            await asyncio.sleep(0.05)

@@ -47,6 +47,7 @@ class RequestProgress:
     queue_s: float = 0.0
     attempts: int = 0
     worker_ids: list[str] = field(default_factory=list)
+    cancelled: bool = False
 
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.entry.prompt_token_ids),

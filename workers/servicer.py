@@ -50,6 +50,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.worker_id, self.device_type, self.quantization = worker_id, device_type, quantization
         self.tracer = tracer
+        self.num_requests_total = 0
+        self.num_prompt_tokens_total = 0
+        self.num_cached_prompt_tokens_total = 0
 
     async def Generate(self, request, context):
         if request.model != self.model_name:
@@ -59,6 +62,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if request.deadline_unix_ns and time.time_ns() >= request.deadline_unix_ns:
             raise DeadlineExceeded("deadline passed before the worker started the request")
         sampling = _sampling(request.sampling, self.tokenizer.stop_token_ids)
+        self.num_requests_total += 1
         parent = telemetry.extract_context(dict(context.invocation_metadata() or ()))
         with self.tracer.start_as_current_span("gen_ai.generate", context=parent,
                                                kind=trace.SpanKind.SERVER) as span:
@@ -94,6 +98,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             await outputs.aclose()
 
     def _final(self, reason: str, usage, span) -> worker_pb2.WorkerGenerateResponse:
+        self.num_prompt_tokens_total += usage.prompt_tokens
+        self.num_cached_prompt_tokens_total += usage.cached_prompt_tokens
         span.set_attributes({telemetry.INPUT_TOKENS: usage.prompt_tokens,
                              telemetry.OUTPUT_TOKENS: usage.completion_tokens,
                              telemetry.CACHE_READ_TOKENS: usage.cached_prompt_tokens,
@@ -117,4 +123,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             num_running=load.num_running, num_waiting=load.num_waiting,
             num_free_blocks=load.num_free_blocks, num_total_blocks=load.num_total_blocks,
             block_size=load.block_size, models=[self.model_name], device_type=self.device_type,
-            quantization=self.quantization, context_length=info.max_model_len)
+            quantization=self.quantization, context_length=info.max_model_len,
+            num_requests_total=self.num_requests_total,
+            num_prompt_tokens_total=self.num_prompt_tokens_total,
+            num_cached_prompt_tokens_total=self.num_cached_prompt_tokens_total)

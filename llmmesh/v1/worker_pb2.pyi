@@ -74,7 +74,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "models", "device_type", "quantization", "context_length")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "models", "device_type", "quantization", "context_length", "num_requests_total", "num_cached_prompt_tokens_total", "num_prompt_tokens_total")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,9 @@ class GetLoadResponse(_message.Message):
     DEVICE_TYPE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -93,4 +96,7 @@ class GetLoadResponse(_message.Message):
     device_type: str
     quantization: str
     context_length: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., device_type: _Optional[str] = ..., quantization: _Optional[str] = ..., context_length: _Optional[int] = ...) -> None: ...
+    num_requests_total: int
+    num_cached_prompt_tokens_total: int
+    num_prompt_tokens_total: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., device_type: _Optional[str] = ..., quantization: _Optional[str] = ..., context_length: _Optional[int] = ..., num_requests_total: _Optional[int] = ..., num_cached_prompt_tokens_total: _Optional[int] = ..., num_prompt_tokens_total: _Optional[int] = ...) -> None: ...

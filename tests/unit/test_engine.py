@@ -125,8 +125,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(model):
         params = SamplingParams(max_tokens=16, temperature=1.0, seed=seed, ignore_eos=True,
                                 **extra)
         batch = {f"n{i}": p for i, p in enumerate(prompts(neighbours, seed=6))}
-        run = {"x": prompt, **batch}
-        tokens, _ = run_core(core, run, params) if not neighbours else run_core(core, run, params)
+        tokens, _ = run_core(core, {**batch, "x": prompt}, params)
         return tokens["x"]
 
     alone = sample(123, neighbours=0)
@@ -169,8 +168,11 @@ def test_cancelling_10_of_100_leaves_the_other_90_exact_and_no_blocks_leaked(mod
     requests = {f"r{i}": p for i, p in enumerate(prompts(100, seed=7))}
     cancelled = {f"r{i}" for i in range(0, 100, 10)}
 
+    endless = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+
     async def consume_then_leave(request_id: str, started: asyncio.Event) -> None:
-        stream = engine.generate(request_id, requests[request_id], GREEDY)
+        # Unaborted, these would still hold blocks when the probe below ends.
+        stream = engine.generate(request_id, requests[request_id], endless)
         async with contextlib.aclosing(stream):
             async for _ in stream:
                 started.set()

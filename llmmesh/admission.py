@@ -1,0 +1,128 @@
+"""Admission in Redis: rate limits, concurrency caps and token budgets in one atomic script.
+
+The gateway admits (reserving the request's worst-case tokens against the budget) and the
+router settles when the request ends (releasing the reservation, charging what was used).
+Checking and reserving in one script means concurrent bursts can never overshoot a budget:
+LiteLLM-style after-the-fact accounting lets every in-flight request through.
+
+Every key of one tenant carries the hash tag {tenant} so the script runs on one Cluster slot.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import redis.asyncio as aioredis
+
+from llmmesh.queue import PREFIX
+
+# KEYS: 1 request bucket, 2 token bucket, 3 concurrency zset, 4 budget hash
+# ARGV: 1 rpm, 2 tpm, 3 max_concurrent, 4 budget, 5 tokens needed, 6 request id,
+#       7 lease seconds, 8 budget period end (unix s)
+# Limits of 0 mean "no limit". Returns {code, retry_after_ms}; code 0 = admitted.
+_ADMIT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
+local max_conc, budget = tonumber(ARGV[3]), tonumber(ARGV[4])
+local need, lease = tonumber(ARGV[5]), tonumber(ARGV[7])
+
+local function bucket(key, per_minute, cost)
+  if per_minute <= 0 then return true, 0, nil end
+  local rate = per_minute / 60.0
+  local s = redis.call('HMGET', key, 'tokens', 'ts')
+  local tokens = tonumber(s[1]) or per_minute
+  local ts = tonumber(s[2]) or now
+  tokens = math.min(per_minute, tokens + (now - ts) * rate)
+  if tokens >= cost then return true, 0, tokens - cost end
+  return false, math.ceil((cost - tokens) / rate * 1000), nil
+end
+
+local ok, wait, req_left = bucket(KEYS[1], rpm, 1)
+if not ok then return {1, wait} end
+local ok2, wait2, tok_left = bucket(KEYS[2], tpm, need)
+if not ok2 then return {2, wait2} end
+if max_conc > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  if redis.call('ZCARD', KEYS[3]) >= max_conc then return {3, 500} end
+end
+if budget > 0 then
+  local b = redis.call('HMGET', KEYS[4], 'used', 'reserved')
+  local used, reserved = tonumber(b[1]) or 0, tonumber(b[2]) or 0
+  if used + reserved + need > budget then
+    return {4, math.max(1000, math.ceil((tonumber(ARGV[8]) - now) * 1000))}
+  end
+end
+-- Every check passed: apply them all.
+if req_left then redis.call('HSET', KEYS[1], 'tokens', req_left, 'ts', now); redis.call('EXPIRE', KEYS[1], 120) end
+if tok_left then redis.call('HSET', KEYS[2], 'tokens', tok_left, 'ts', now); redis.call('EXPIRE', KEYS[2], 120) end
+if max_conc > 0 then redis.call('ZADD', KEYS[3], now + lease, ARGV[6]) end
+if budget > 0 then
+  redis.call('HINCRBY', KEYS[4], 'reserved', need)
+  redis.call('EXPIREAT', KEYS[4], math.floor(tonumber(ARGV[8])) + 86400)
+end
+return {0, 0}
+"""
+
+# KEYS: 1 concurrency zset, 2 settled marker, 3 budget hash (optional)
+# ARGV: 1 request id, 2 reserved, 3 used
+_SETTLE = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+-- A settle retried after a router restart must not charge twice.
+if not redis.call('SET', KEYS[2], 1, 'NX', 'EX', 86400) then return 0 end
+if #KEYS >= 3 and redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('HINCRBY', KEYS[3], 'reserved', -tonumber(ARGV[2]))
+  redis.call('HINCRBY', KEYS[3], 'used', tonumber(ARGV[3]))
+end
+return 1
+"""
+
+REFUSALS = {1: "requests-per-minute limit", 2: "tokens-per-minute limit",
+            3: "concurrent-request limit", 4: "token budget for this period"}
+
+
+@dataclass(slots=True)
+class Reservation:
+    """What admission took, carried in the queue entry so whoever ends the request settles it."""
+
+    tenant_id: str
+    request_id: str
+    reserved_tokens: int
+    budget_key: str  # empty when the tenant has no budget
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def keys(tenant_id: str, period: str) -> list[str]:
+    tag = f"{{{tenant_id}}}"
+    return [f"{PREFIX}:rl:{tag}:req", f"{PREFIX}:rl:{tag}:tok", f"{PREFIX}:conc:{tag}",
+            f"{PREFIX}:budget:{tag}:{period}"]
+
+
+class Admission:
+    def __init__(self, redis: aioredis.Redis):
+        self._redis = redis
+        self._admit = redis.register_script(_ADMIT)
+        self._settle = redis.register_script(_SETTLE)
+
+    async def admit(self, *, tenant_id: str, request_id: str, rpm: int, tpm: int,
+                    max_concurrent: int, budget: int, period: str, period_end_s: float,
+                    tokens: int, lease_s: float) -> tuple[int, float]:
+        """(0, 0) when admitted, else (reason code, retry-after seconds)."""
+        code, wait_ms = await self._admit(keys=keys(tenant_id, period), args=[
+            rpm, tpm, max_concurrent, budget, tokens, request_id, lease_s, period_end_s])
+        return int(code), int(wait_ms) / 1000.0
+
+    async def settle(self, r: Reservation, used_tokens: int) -> bool:
+        """Release the reservation and charge `used_tokens`; idempotent per request."""
+        tag = f"{{{r.tenant_id}}}"
+        settle_keys = [f"{PREFIX}:conc:{tag}", f"{PREFIX}:settled:{tag}:{r.request_id}"]
+        if r.budget_key:
+            settle_keys.append(r.budget_key)
+        return bool(await self._settle(keys=settle_keys,
+                                       args=[r.request_id, r.reserved_tokens, used_tokens]))
+
+    async def budget_state(self, tenant_id: str, period: str) -> tuple[int, int]:
+        """(used, reserved) tokens of a tenant's budget period."""
+        raw = await self._redis.hmget(keys(tenant_id, period)[3], "used", "reserved")
+        return int(raw[0] or 0), int(raw[1] or 0)

@@ -1,0 +1,104 @@
+"""Which queued request runs next: interactive before batch with a starvation guard, and inside
+a class deficit round robin over tenants, weighted by tokens rather than requests.
+
+Transport-free and deterministic, so its properties are unit-tested exactly.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class DeficitRoundRobin(Generic[T]):
+    """DRR (Shreedhar & Varghese) over tenants; an item's cost is its token estimate."""
+
+    def __init__(self, quantum: int = 512):
+        if quantum <= 0:
+            raise ValueError("quantum must be positive")
+        self.quantum = quantum
+        self._queues: OrderedDict[str, deque[tuple[T, int]]] = OrderedDict()
+        self._deficit: dict[str, int] = {}
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def push(self, tenant: str, item: T, cost: int) -> None:
+        if tenant not in self._queues:
+            self._queues[tenant] = deque()
+            self._deficit[tenant] = 0
+        self._queues[tenant].append((item, max(1, cost)))
+        self._len += 1
+
+    def pop(self) -> T | None:
+        """The next item; each visit grants a tenant one quantum of tokens."""
+        while self._queues:
+            tenant, q = next(iter(self._queues.items()))
+            item, cost = q[0]
+            if self._deficit[tenant] >= cost:
+                q.popleft()
+                self._len -= 1
+                self._deficit[tenant] -= cost
+                if not q:  # an idle tenant keeps no credit (DRR's rule)
+                    del self._queues[tenant]
+                    del self._deficit[tenant]
+                return item
+            self._deficit[tenant] += self.quantum
+            self._queues.move_to_end(tenant)
+        return None
+
+    def tenants(self) -> list[str]:
+        return list(self._queues)
+
+
+@dataclass(frozen=True, slots=True)
+class ClassPolicy:
+    # Batch gets at least this share of dispatches whenever it has work waiting.
+    batch_min_share: float = 0.2
+    # Batch may fill at most this share of the fleet's router-side slots, so an interactive
+    # arrival always finds room. Workers advertise twice their running-batch size as slots,
+    # so 0.75 still keeps every worker's batch full of batch work when nobody is waiting.
+    batch_max_slot_share: float = 0.75
+    window: int = 100
+
+    def __post_init__(self):
+        if not (0 <= self.batch_min_share <= 1 and 0 < self.batch_max_slot_share <= 1):
+            raise ValueError("shares must be in [0, 1]")
+
+
+class ClassScheduler(Generic[T]):
+    def __init__(self, policy: ClassPolicy = ClassPolicy(), quantum: int = 512):
+        self.policy = policy
+        self.queues = {"interactive": DeficitRoundRobin[T](quantum), "batch": DeficitRoundRobin[T](quantum)}
+        self._recent: deque[str] = deque(maxlen=policy.window)
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.queues.values())
+
+    def push(self, request_class: str, tenant: str, item: T, cost: int) -> None:
+        self.queues[request_class].push(tenant, item, cost)
+
+    def _batch_starved(self) -> bool:
+        if not self._recent:
+            return False
+        return self._recent.count("batch") / len(self._recent) < self.policy.batch_min_share
+
+    def pop(self, free_slots: int, total_slots: int, batch_inflight: int) -> tuple[str, T] | None:
+        """Next (class, item) to dispatch given the fleet's slots, or None."""
+        if free_slots <= 0:
+            return None
+        batch_room = batch_inflight < self.policy.batch_max_slot_share * total_slots
+        order = ["interactive", "batch"]
+        if len(self.queues["batch"]) and batch_room and self._batch_starved():
+            order = ["batch", "interactive"]
+        for cls in order:
+            if cls == "batch" and not batch_room:
+                continue
+            item = self.queues[cls].pop()
+            if item is not None:
+                self._recent.append(cls)
+                return cls, item
+        return None
