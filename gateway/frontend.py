@@ -85,6 +85,8 @@ class Frontend:
                 raise Unavailable(f"queue store unavailable ({type(exc).__name__}); retry") from exc
 
     async def _admit(self, tenant: Tenant, req: ValidRequest, deadline_unix_ns: int) -> Reservation:
+        if deadline_unix_ns and time.time_ns() >= deadline_unix_ns:
+            raise DeadlineExceeded("deadline passed before the request was queued")
         plan = tenant.plan
         need = len(req.prompt_token_ids) + req.sampling["max_tokens"]
         for limit, what in ((plan.tokens_per_minute, "tokens-per-minute limit"),

@@ -48,6 +48,8 @@ class Mesh:
     var_dir: str
     redis_url: str | None = None
     worker_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+    gateway_args: list[str] = field(default_factory=list)
     procs: dict[str, Proc] = field(default_factory=dict)
     log_dir: str = ""
 
@@ -63,8 +65,8 @@ class Mesh:
         return subprocess.Popen(argv, cwd=REPO_ROOT, env={**self.env, **(env or {})},
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
-    def start_redis(self) -> str:
-        port = free_port()
+    def start_redis(self, port: int | None = None) -> str:
+        port = port or free_port()
         argv = [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--dir", self.var_dir]
         self.procs["redis"] = Proc("redis", self._spawn("redis", argv), f"127.0.0.1:{port}")
@@ -101,16 +103,27 @@ class Mesh:
         await asyncio.gather(*(one(n) for n in names))
 
     async def up(self, num_workers: int = 1, timeout_s: float = 180.0,
-                 gateway_listen: str | None = None, costd_listen: str | None = None) -> None:
+                 gateway_listen: str | None = None, costd_listen: str | None = None,
+                 num_routers: int = 1) -> None:
         if not self.redis_url:
             self.start_redis()
         self.start_service("costd", "costd", address=costd_listen)
         await self.wait_ready(["costd"], timeout_s)
         for i in range(num_workers):
-            self.start_service(f"worker{i}", "workers", ["--worker-id", f"worker{i}", *self.worker_args])
-        self.start_service("router", "router")
-        self.start_service("gateway", "gateway", address=gateway_listen)
+            self.start_worker(f"worker{i}")
+        for i in range(num_routers):
+            name = "router" if i == 0 else f"router{i}"
+            self.start_service(name, "router", ["--consumer", name, *self.router_args])
+        self.start_service("gateway", "gateway", self.gateway_args, address=gateway_listen)
         await self.wait_ready([n for n in self.procs if n not in ("redis", "costd")], timeout_s)
+
+    def start_worker(self, name: str) -> Proc:
+        return self.start_service(name, "workers", ["--worker-id", name, *self.worker_args])
+
+    def restart_redis(self) -> None:
+        """Kill redis-server and start a fresh, empty one on the same port."""
+        self.stop_one("redis", signal.SIGKILL)
+        self.start_redis(int(self.procs["redis"].address.rsplit(":", 1)[1]))
 
     def stop_one(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int | None:
         proc = self.procs.get(name)

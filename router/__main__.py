@@ -24,6 +24,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--otlp-endpoint", default=env("LLMMESH_OTLP_ENDPOINT"))
     p.add_argument("--policy", choices=sorted(POLICIES), default=env("LLMMESH_ROUTER_POLICY", "prefix-affinity"))
     p.add_argument("--consumer", default=env("LLMMESH_ROUTER_ID", f"{socket.gethostname()}-{os.getpid()}"))
+    p.add_argument("--claim-idle-ms", type=int, default=int(env("LLMMESH_CLAIM_IDLE_MS", "15000")),
+                   help="take over entries another router has not heartbeated for this long")
+    p.add_argument("--heartbeat-s", type=float, default=float(env("LLMMESH_HEARTBEAT_S", "3")))
     p.add_argument("--batch-min-share", type=float, default=float(env("LLMMESH_BATCH_MIN_SHARE", "0.2")))
     return p.parse_args()
 
@@ -37,7 +40,9 @@ async def main() -> None:
     registry = WorkerRegistry(redis)
     dispatcher = Dispatcher(redis, registry, make_policy(args.policy),
                             DispatcherConfig(consumer=args.consumer, class_policy=ClassPolicy(
-                                batch_min_share=args.batch_min_share)), tracer)
+                                batch_min_share=args.batch_min_share),
+                                claim_idle_ms=args.claim_idle_ms, heartbeat_s=args.heartbeat_s),
+                            tracer)
     tasks = [asyncio.create_task(t) for t in (registry.run(), dispatcher.run(), dispatcher.watch_cancels(), dispatcher.reclaim())]
 
     async def close():
