@@ -7,6 +7,7 @@ import os
 
 import redis.asyncio as aioredis
 
+from gateway.batch_jobs import BatchJobs
 from gateway.frontend import Frontend, FrontendConfig
 from gateway.servicer import GatewayServicer
 from gateway.tenants import TenantBook
@@ -40,7 +41,8 @@ async def main() -> None:
     redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True,
                                     socket_connect_timeout=2.0, health_check_interval=10)
     frontend = Frontend(redis, FrontendConfig(block_size=args.block_size), tracer)
-    servicer = GatewayServicer(frontend, TenantBook(args.tenants), {model.name: model}, model.name)
+    servicer = GatewayServicer(frontend, TenantBook(args.tenants), {model.name: model}, model.name,
+                               BatchJobs(redis, frontend))
 
     async def close():
         await redis.aclose()

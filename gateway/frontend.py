@@ -67,7 +67,7 @@ class Frontend:
                 telemetry.OPERATION: "text_completion", telemetry.REQUEST_MODEL: req.model.name,
                 telemetry.TENANT_ID: tenant.tenant_id, telemetry.REQUEST_ID: req.request_id,
                 telemetry.REQUEST_CLASS: request_class})
-            entry = self._entry(tenant, req, request_class, deadline_unix_ns)
+            entry = self.build_entry(tenant, req, request_class, deadline_unix_ns)
             try:
                 entry.reservation = (await self._admit(tenant, req, deadline_unix_ns)).to_dict()
                 try:
@@ -106,7 +106,7 @@ class Frontend:
         budget_key = admission_keys(tenant.tenant_id, period)[3] if plan.token_budget else ""
         return Reservation(tenant.tenant_id, req.request_id, need, budget_key)
 
-    def _entry(self, tenant: Tenant, req: ValidRequest, request_class: str,
+    def build_entry(self, tenant: Tenant, req: ValidRequest, request_class: str,
                deadline_unix_ns: int) -> queue.QueueEntry:
         # The salt comes from the tenant's configured scope, never from the client.
         salt = f"scope:{tenant.cache_scope}"

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import time
 
+from gateway.batch_jobs import BatchJobs
 from gateway.frontend import FinalOut, Frontend
 from gateway.tenants import TenantBook
 from gateway.validation import ServedModel, validate
+from llmmesh.errors import InvalidArgument
 from llmmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
@@ -30,9 +32,24 @@ def _deadline_unix_ns(context) -> int:
     return 0 if remaining is None else time.time_ns() + int(remaining * 1e9)
 
 
+_BATCH_STATUS = {"running": gateway_pb2.BATCH_STATUS_RUNNING,
+                 "completed": gateway_pb2.BATCH_STATUS_COMPLETED,
+                 "cancelled": gateway_pb2.BATCH_STATUS_CANCELLED}
+
+
+def _job_proto(job: dict) -> gateway_pb2.BatchJob:
+    return gateway_pb2.BatchJob(
+        job_id=job["job_id"], display_name=job["display_name"], status=_BATCH_STATUS[job["status"]],
+        num_requests=job["num_requests"], num_completed=job["num_completed"],
+        num_failed=job["num_failed"], created_unix_s=job["created_unix_s"],
+        prompt_tokens=job["prompt_tokens"], completion_tokens=job["completion_tokens"],
+        results_ttl_s=job["results_ttl_s"])
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, frontend: Frontend, tenants: TenantBook, models: dict[str, ServedModel],
-                 default_model: str):
+                 default_model: str, batch_jobs: BatchJobs):
+        self.batch_jobs = batch_jobs
         self.frontend = frontend
         self.tenants = tenants
         self.models = models
@@ -68,3 +85,35 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             gateway_pb2.ModelInfo(name=m.name, context_length=m.context_length,
                                   quantization=m.quantization)
             for m in self.models.values()])
+
+    async def SubmitBatch(self, request, context):
+        tenant = self.tenants.authenticate(context.invocation_metadata())
+        items = []
+        for i, req in enumerate(request.requests):
+            try:
+                items.append(validate(req, self.models, self.default_model))
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"requests[{i}].{exc.field}", exc.message.split(": ", 1)[1]) from exc
+        job = await self.batch_jobs.submit(tenant, items, request.display_name)
+        return gateway_pb2.SubmitBatchResponse(job=_job_proto(job))
+
+    async def GetBatch(self, request, context):
+        tenant = self.tenants.authenticate(context.invocation_metadata())
+        return _job_proto(await self.batch_jobs.get(tenant, request.job_id))
+
+    async def CancelBatch(self, request, context):
+        tenant = self.tenants.authenticate(context.invocation_metadata())
+        return _job_proto(await self.batch_jobs.cancel(tenant, request.job_id))
+
+    async def StreamBatchResults(self, request, context):
+        tenant = self.tenants.authenticate(context.invocation_metadata())
+        tokenizer = self.models[self.default_model].tokenizer
+        async for r in self.batch_jobs.results(tenant, request.job_id):
+            result = gateway_pb2.BatchResult(
+                index=r["index"], request_id=r["request_id"], token_ids=r["token_ids"],
+                text=tokenizer.decode(r["token_ids"]) if r["token_ids"] else "",
+                error_code=r["error_code"], error_message=r["error_message"])
+            if not r["error_code"]:
+                result.final.CopyFrom(_final_proto(FinalOut(
+                    r["request_id"], "batch", r["finish_reason"], r["usage"])))
+            yield result

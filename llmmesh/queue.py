@@ -55,6 +55,9 @@ class QueueEntry:
     traceparent: dict[str, str] = field(default_factory=dict)
     # llmmesh.admission.Reservation as a dict: settled by whoever ends the request.
     reservation: dict[str, Any] = field(default_factory=dict)
+    # Set for requests of a batch job: where the router records the outcome.
+    job_id: str = ""
+    job_index: int = -1
 
     def encode(self) -> dict[str, str]:
         return {"d": json.dumps(asdict(self), separators=(",", ":"))}

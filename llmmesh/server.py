@@ -11,6 +11,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from llmmesh.errors import MeshError
 
 log = logging.getLogger("llmmesh.server")
@@ -19,6 +22,9 @@ log = logging.getLogger("llmmesh.server")
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str):
     if isinstance(exc, MeshError):
         await context.abort(exc.code, exc.message, trailing_metadata=exc.trailing_metadata())
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError)):
+        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                            f"queue store unavailable ({type(exc).__name__}); retry shortly")
     log.exception("unhandled error in %s", method)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see server logs")
 

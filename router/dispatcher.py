@@ -18,6 +18,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from llmmesh import queue, telemetry
 from llmmesh.admission import Admission, Reservation
+from llmmesh.jobs import JobResults
 from llmmesh.v1 import worker_pb2
 from router.fairness import ClassPolicy, ClassScheduler
 from router.policy import Policy
@@ -59,6 +60,7 @@ class Dispatcher:
         self.redis, self.registry, self.policy = redis, registry, policy
         self.config, self.tracer = config, tracer
         self.admission = Admission(redis)
+        self.jobs = JobResults(redis)
         self.sched: ClassScheduler[Held] = ClassScheduler(config.class_policy, config.quantum_tokens)
         self.held: dict[str, Held] = {}          # entry id -> entry, buffered or running
         self.running: dict[str, Held] = {}       # request id -> entry being served
@@ -146,9 +148,11 @@ class Dispatcher:
         e = p.entry
         ended = await self._recover_progress(p)
         if ended is not None:  # a router died between ending the request and acknowledging it
-            if e.reservation:
-                await self.admission.settle(Reservation(**e.reservation), ended)
-            await self.redis.xack(queue.queue_stream(cls), queue.ROUTER_GROUP, entry_id)
+            if ended["kind"] == "final":
+                outcome = {"finish_reason": ended["finish_reason"], "usage": ended["usage"]}
+            else:
+                outcome = {"error_code": ended["code"], "error_message": ended["message"]}
+            await self._finish(cls, entry_id, p, ended["kind"] == "final" or bool(p.delivered), outcome)
             return
         ctx = telemetry.extract_context(e.traceparent)
         billed = False
@@ -159,6 +163,7 @@ class Dispatcher:
                                       queue.final_event(reason, p.usage()))
                 record_usage(span, p, reason, device)
                 billed = True
+                outcome = {"finish_reason": reason, "usage": p.usage()}
             except RequestFailed as exc:
                 span.set_status(trace.StatusCode.ERROR, exc.message)
                 if p.delivered:  # tokens were produced and delivered: they are billed
@@ -166,11 +171,21 @@ class Dispatcher:
                     billed = True
                 await self.redis.xadd(queue.result_stream(e.request_id),
                                       queue.error_event(exc.code, exc.message))
-            await self.redis.expire(queue.result_stream(e.request_id), queue.RESULT_TTL_S)
-            if e.reservation:
-                used = len(e.prompt_token_ids) + len(p.delivered) if billed else 0
-                await self.admission.settle(Reservation(**e.reservation), used)
-            await self.redis.xack(queue.queue_stream(cls), queue.ROUTER_GROUP, entry_id)
+                outcome = {"error_code": exc.code, "error_message": exc.message}
+            await self._finish(cls, entry_id, p, billed, outcome)
+
+    async def _finish(self, cls: str, entry_id: str, p: RequestProgress, billed: bool,
+                      outcome: dict) -> None:
+        """Everything after the outcome is written: job result, budget, acknowledgement."""
+        e = p.entry
+        await self.redis.expire(queue.result_stream(e.request_id), queue.RESULT_TTL_S)
+        if e.job_id:
+            await self.jobs.record(e.job_id, e.job_index, e.request_id,
+                                   token_ids=p.delivered, **outcome)
+        if e.reservation:
+            used = len(e.prompt_token_ids) + len(p.delivered) if billed else 0
+            await self.admission.settle(Reservation(**e.reservation), used)
+        await self.redis.xack(queue.queue_stream(cls), queue.ROUTER_GROUP, entry_id)
 
     async def _attempts(self, p: RequestProgress) -> tuple[str, str]:
         e = p.entry
@@ -197,16 +212,14 @@ class Dispatcher:
         await self.redis.xadd(queue.DEAD_LETTER_STREAM, p.entry.encode())
         raise RequestFailed("UNAVAILABLE", f"request failed on {MAX_ATTEMPTS} workers; retry later")
 
-    async def _recover_progress(self, p: RequestProgress) -> int | None:
+    async def _recover_progress(self, p: RequestProgress) -> dict | None:
         """For an entry taken over from a dead router: continue after the tokens its result
-        stream already holds. When the request had in fact ended, the tokens it used."""
+        stream already holds. When the request had in fact ended, its final or error event."""
         events = await self.redis.xrange(queue.result_stream(p.entry.request_id))
         for _, fields in events:
             event = queue.decode_event(fields)
-            if event["kind"] == "final":
-                return event["usage"]["prompt_tokens"] + event["usage"]["completion_tokens"]
-            if event["kind"] == "error":
-                return len(p.entry.prompt_token_ids) + len(p.delivered) if p.delivered else 0
+            if event["kind"] in ("final", "error"):
+                return event
             if event["index"] == len(p.delivered):
                 p.delivered.extend(event["ids"])
         if p.delivered:

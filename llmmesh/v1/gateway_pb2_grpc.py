@@ -50,6 +50,26 @@ class GatewayServiceStub:
                 request_serializer=llmmesh_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=llmmesh_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.SubmitBatch = channel.unary_unary(
+                '/llmmesh.v1.GatewayService/SubmitBatch',
+                request_serializer=llmmesh_dot_v1_dot_gateway__pb2.SubmitBatchRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_gateway__pb2.SubmitBatchResponse.FromString,
+                _registered_method=True)
+        self.GetBatch = channel.unary_unary(
+                '/llmmesh.v1.GatewayService/GetBatch',
+                request_serializer=llmmesh_dot_v1_dot_gateway__pb2.GetBatchRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_gateway__pb2.BatchJob.FromString,
+                _registered_method=True)
+        self.StreamBatchResults = channel.unary_stream(
+                '/llmmesh.v1.GatewayService/StreamBatchResults',
+                request_serializer=llmmesh_dot_v1_dot_gateway__pb2.StreamBatchResultsRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_gateway__pb2.BatchResult.FromString,
+                _registered_method=True)
+        self.CancelBatch = channel.unary_unary(
+                '/llmmesh.v1.GatewayService/CancelBatch',
+                request_serializer=llmmesh_dot_v1_dot_gateway__pb2.CancelBatchRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_gateway__pb2.BatchJob.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer:
@@ -77,6 +97,34 @@ class GatewayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitBatch(self, request, context):
+        """Submits many requests as one batch-class job; returns at once with the job id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBatch(self, request, context):
+        """A job's status and progress.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamBatchResults(self, request, context):
+        """Streams a job's results as they complete (from the first one, even after a reconnect).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelBatch(self, request, context):
+        """Cancels a job's requests that have not finished yet.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +142,26 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=llmmesh_dot_v1_dot_gateway__pb2.ListModelsRequest.FromString,
                     response_serializer=llmmesh_dot_v1_dot_gateway__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'SubmitBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitBatch,
+                    request_deserializer=llmmesh_dot_v1_dot_gateway__pb2.SubmitBatchRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_gateway__pb2.SubmitBatchResponse.SerializeToString,
+            ),
+            'GetBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBatch,
+                    request_deserializer=llmmesh_dot_v1_dot_gateway__pb2.GetBatchRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_gateway__pb2.BatchJob.SerializeToString,
+            ),
+            'StreamBatchResults': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamBatchResults,
+                    request_deserializer=llmmesh_dot_v1_dot_gateway__pb2.StreamBatchResultsRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_gateway__pb2.BatchResult.SerializeToString,
+            ),
+            'CancelBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelBatch,
+                    request_deserializer=llmmesh_dot_v1_dot_gateway__pb2.CancelBatchRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_gateway__pb2.BatchJob.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +246,114 @@ class GatewayService:
             '/llmmesh.v1.GatewayService/ListModels',
             llmmesh_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
             llmmesh_dot_v1_dot_gateway__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmmesh.v1.GatewayService/SubmitBatch',
+            llmmesh_dot_v1_dot_gateway__pb2.SubmitBatchRequest.SerializeToString,
+            llmmesh_dot_v1_dot_gateway__pb2.SubmitBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmmesh.v1.GatewayService/GetBatch',
+            llmmesh_dot_v1_dot_gateway__pb2.GetBatchRequest.SerializeToString,
+            llmmesh_dot_v1_dot_gateway__pb2.BatchJob.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamBatchResults(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llmmesh.v1.GatewayService/StreamBatchResults',
+            llmmesh_dot_v1_dot_gateway__pb2.StreamBatchResultsRequest.SerializeToString,
+            llmmesh_dot_v1_dot_gateway__pb2.BatchResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmmesh.v1.GatewayService/CancelBatch',
+            llmmesh_dot_v1_dot_gateway__pb2.CancelBatchRequest.SerializeToString,
+            llmmesh_dot_v1_dot_gateway__pb2.BatchJob.FromString,
             options,
             channel_credentials,
             insecure,
