@@ -38,6 +38,11 @@ def worker_key(worker_id: str) -> str:
     return f"{WORKER_KEY_PREFIX}{worker_id}"
 
 
+def worker_cache_key(worker_id: str) -> str:
+    """Set of the prefix-block hashes a worker reports as cached (the shared affinity index)."""
+    return f"{PREFIX}:cache:{worker_id}"
+
+
 @dataclass(slots=True)
 class QueueEntry:
     """Everything the router and worker need, written once by the gateway."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Protocol
 
 from llmmesh.queue import QueueEntry
@@ -45,7 +46,7 @@ class LeastLoad:
 def _matched_blocks(entry: QueueEntry, worker: WorkerHandle) -> int:
     n = 0
     for h in entry.block_hashes:
-        if h not in worker.recent_hashes:
+        if h not in worker.cached_hashes and h not in worker.recent_hashes:
             break
         n += 1
     return n
@@ -56,9 +57,8 @@ class PrefixAffinity:
 
     name = "prefix-affinity"
 
-    def __init__(self, max_load_gap: float = 0.25, max_hashes_per_worker: int = 200_000):
+    def __init__(self, max_load_gap: float = 0.25):
         self.max_load_gap = max_load_gap
-        self.max_hashes = max_hashes_per_worker
         self._fallback = LeastLoad()
 
     def select_worker(self, entry, workers):
@@ -72,9 +72,9 @@ class PrefixAffinity:
         return best if gap <= self.max_load_gap else least
 
     def on_dispatched(self, entry, worker):
-        if len(worker.recent_hashes) > self.max_hashes:
-            worker.recent_hashes.clear()  # coarse but bounded; the worker's own cache is the truth
-        worker.recent_hashes.update(entry.block_hashes)
+        # Until the worker's next report (the registry clears these each refresh).
+        now = time.monotonic()
+        worker.recent_hashes.update((h, now) for h in entry.block_hashes)
 
 
 POLICIES = {p.name: p for p in (RoundRobin, LeastLoad, PrefixAffinity)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -14,6 +15,8 @@ from llmmesh import queue
 from llmmesh.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("router.registry")
+# Reports lag dispatch by up to two refresh periods (the worker's and ours).
+RECENT_HASH_TTL_S = 3.0
 
 
 @dataclass(eq=False)
@@ -27,8 +30,11 @@ class WorkerHandle:
     stub: worker_pb2_grpc.WorkerServiceStub
     num_inflight: int = 0
     load: worker_pb2.GetLoadResponse | None = None
-    # Block hashes this router sent to the worker recently (an affinity hint, not a truth).
-    recent_hashes: set[int] = field(default_factory=set)
+    # Block hashes the worker reports as cached (the shared index in Redis).
+    cached_hashes: frozenset[int] = frozenset()
+    # Block hashes this router sent the worker lately (hash -> monotonic time): cached by now,
+    # most likely, but not yet in the worker's report.
+    recent_hashes: dict[int, float] = field(default_factory=dict)
     healthy: bool = True
 
     @property
@@ -79,6 +85,10 @@ class WorkerRegistry:
                 h.load = await h.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=1.0)
             except grpc.aio.AioRpcError:
                 h.healthy = False
+            members = await self.redis.smembers(queue.worker_cache_key(h.worker_id))
+            h.cached_hashes = frozenset(int(m) for m in members)
+            horizon = time.monotonic() - RECENT_HASH_TTL_S
+            h.recent_hashes = {k: t for k, t in h.recent_hashes.items() if t > horizon}
         await asyncio.gather(*(probe(h) for h in self.workers.values()))
 
     async def run(self) -> None:

@@ -16,6 +16,7 @@ from llmmesh import queue, server, telemetry
 from llmmesh.models import DEFAULT_MODEL, resolve_model
 from llmmesh.tokenizer import Tokenizer
 from llmmesh.v1 import worker_pb2, worker_pb2_grpc
+from workers.capacity import report_capacity
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.config import EngineConfig
 from workers.servicer import WorkerServicer
@@ -54,6 +55,27 @@ async def keep_lease(redis: aioredis.Redis, worker_id: str, info: dict) -> None:
         await asyncio.sleep(LEASE_TTL_S / 3)
 
 
+async def publish_cache_index(redis: aioredis.Redis, worker_id: str, engine: AsyncEngine,
+                              interval_s: float = 1.0) -> None:
+    """Mirror the engine's newest cached block hashes into Redis, where every router reads
+    them for prefix-affinity placement (one index shared by all routers and gateways)."""
+    key, last = queue.worker_cache_key(worker_id), None
+    while True:
+        hashes = engine.load().cached_block_hashes
+        try:
+            async with redis.pipeline(transaction=True) as pipe:
+                if hashes != last:
+                    pipe.delete(key)
+                    if hashes:
+                        pipe.sadd(key, *map(str, hashes))
+                pipe.expire(key, LEASE_TTL_S)
+                await pipe.execute()
+            last = hashes
+        except RedisError as exc:
+            log.warning("cache index update failed: %s", exc)
+        await asyncio.sleep(interval_s)
+
+
 async def main() -> None:
     args = _args()
     server.configure_logging("worker")
@@ -68,6 +90,8 @@ async def main() -> None:
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB), max context %d", info.num_blocks,
              info.block_size, info.kv_cache_bytes / 2**20, info.max_model_len)
     device_type = args.device if args.device != "cuda" else f"cuda:{_cuda_name()}"
+    # Uptime reports from here on: costd bills idle capacity as uptime minus attributed time.
+    capacity = asyncio.create_task(report_capacity(tracer, args.worker_id, device_type))
     servicer = WorkerServicer(engine, Tokenizer.from_gguf(spec.gguf_path), spec.name, args.worker_id,
                               device_type, args.quantization, tracer)
     redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True, socket_connect_timeout=2.0)
@@ -77,14 +101,18 @@ async def main() -> None:
         lease = {"worker_id": args.worker_id, "address": args.advertise or address, "model": spec.name,
                  "max_inflight": 2 * args.max_num_seqs, "device_type": device_type}
         lease_task.append(asyncio.create_task(keep_lease(redis, args.worker_id, lease)))
+        lease_task.append(asyncio.create_task(publish_cache_index(redis, args.worker_id, engine)))
 
     async def close():
         for t in lease_task:
             t.cancel()
         with contextlib.suppress(RedisError):
-            await redis.delete(queue.worker_key(args.worker_id))
+            await redis.delete(queue.worker_key(args.worker_id), queue.worker_cache_key(args.worker_id))
         await redis.aclose()
         await engine.shutdown()
+        capacity.cancel()  # reports the final partial interval before tracing flushes
+        with contextlib.suppress(asyncio.CancelledError):
+            await capacity
         telemetry.shutdown_tracing()
 
     await server.serve(server.ServiceSpec(

@@ -6,7 +6,7 @@ import time
 from opentelemetry import trace
 
 from llmmesh import telemetry
-from llmmesh.errors import DeadlineExceeded, InvalidArgument, NotFound
+from llmmesh.errors import DeadlineExceeded, Internal, InvalidArgument, NotFound
 from llmmesh.tokenizer import IncrementalDetokenizer
 from llmmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from workers.engine.async_engine import AsyncEngine
@@ -90,6 +90,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     index += len(out.new_token_ids)
                     if not out.finished and matcher.push(out.new_token_ids):
                         self.engine.abort(request.request_id)  # its final arrives as "abort"
+                if out.finished and out.finish_reason == "error":
+                    # An engine failure, not the request's fault: the router retries elsewhere.
+                    raise Internal(f"engine error on worker {self.worker_id}: {out.error}")
                 if out.finished:
                     reason = "stop" if matcher.matched else out.finish_reason
                     yield self._final(reason, out.usage, span)

@@ -14,6 +14,9 @@ import redis
 from llmmesh import queue
 from llmmesh.errors import retry_delay_s
 from llmmesh.launcher import Mesh
+from llmmesh.models import resolve_model
+from llmmesh.prefix_hash import block_hashes
+from llmmesh.tokenizer import Tokenizer
 from llmmesh.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.e2e.meshkit import DEMO_KEYS, StreamRecorder, auth, chat, tenants_file, wait_until, worker_load
 
@@ -66,6 +69,32 @@ def _no_pending(mesh):
     client = redis.Redis.from_url(mesh.redis_url)
     return all(client.xpending(queue.queue_stream(c), queue.ROUTER_GROUP)["pending"] == 0
                for c in queue.CLASSES)
+
+
+def test_prefix_affinity_hits_for_the_same_tenant_only(mesh, stub):
+    system = ("You are a meticulous assistant for a shipping company. Answer in one short "
+              "sentence, cite no sources, and never invent tracking numbers. ") * 3
+    req = chat("Where is my parcel?", 4)
+    req.messages.insert(0, gateway_pb2.ChatMessage(role="system", content=system))
+
+    def cached(key):
+        done = stub.Complete(gateway_pb2.CompleteRequest(request=req), metadata=auth(key), timeout=60)
+        return done.final.usage.cached_prompt_tokens, done.final.usage.prompt_tokens
+    first, prompt_tokens = cached(DEMO_KEYS["acme"])
+    assert first == 0 and prompt_tokens > 64
+    time.sleep(2.5)  # let the workers publish their cache index and the routers read it
+    # The shared index in Redis names exactly one worker holding this tenant's prefix.
+    tok = Tokenizer.from_gguf(resolve_model().gguf_path)
+    ids = tok.encode(tok.apply_chat_template([{"role": "system", "content": system},
+                                              {"role": "user", "content": "Where is my parcel?"}]))
+    first_block = block_hashes(ids, 16, "scope:acme")[0]
+    client = redis.Redis.from_url(mesh.redis_url)
+    holders = [w for w in ("worker0", "worker1")
+               if client.sismember(queue.worker_cache_key(w), str(first_block))]
+    assert len(holders) == 1, holders
+    hits = [cached(DEMO_KEYS["acme"])[0] for _ in range(4)]
+    assert all(h >= 64 for h in hits), hits  # every repeat lands where the prefix is cached
+    assert cached(DEMO_KEYS["globex"])[0] == 0  # same text, other tenant: no reuse
 
 
 def test_worker_killed_mid_stream_requests_resume_elsewhere(mesh, stub):
