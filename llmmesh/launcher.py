@@ -50,6 +50,8 @@ class Mesh:
     worker_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
     gateway_args: list[str] = field(default_factory=list)
+    # More OTLP receivers beside costd (a tracing backend; tests capture spans this way).
+    extra_otlp_endpoints: list[str] = field(default_factory=list)
     procs: dict[str, Proc] = field(default_factory=dict)
     log_dir: str = ""
 
@@ -81,7 +83,8 @@ class Mesh:
             argv = [sys.executable, "-m", "costd", "--listen", address,
                     "--db", os.path.join(self.var_dir, "ledger.sqlite")]
         else:
-            argv += ["--otlp-endpoint", self.procs["costd"].address]
+            endpoints = [self.procs["costd"].address, *self.extra_otlp_endpoints]
+            argv += ["--otlp-endpoint", ",".join(endpoints)]
         proc = Proc(name, self._spawn(name, argv + (extra or [])), address)
         self.procs[name] = proc
         return proc

@@ -35,13 +35,14 @@ _provider: TracerProvider | None = None
 
 
 def setup_tracing(service_name: str, otlp_endpoint: str | None) -> trace.Tracer:
-    """Install a TracerProvider exporting to `otlp_endpoint` (host:port); no export when None."""
+    """Install a TracerProvider exporting to `otlp_endpoint`: host:port, or several separated
+    by commas (costd plus a tracing backend, say); no export when empty."""
     global _provider
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-    if otlp_endpoint:
+    for endpoint in filter(None, (otlp_endpoint or "").split(",")):
         # A short delay keeps bills fresh; the exporter retries UNAVAILABLE with backoff itself.
         provider.add_span_processor(BatchSpanProcessor(
-            OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True),
+            OTLPSpanExporter(endpoint=endpoint.strip(), insecure=True),
             schedule_delay_millis=200, max_export_batch_size=256))
     _provider = provider
     trace.set_tracer_provider(provider)

@@ -109,3 +109,30 @@ def test_bad_input_gets_a_precise_status_and_the_gateway_keeps_serving(gateway):
     # Still serving after every refusal.
     done = gateway.Complete(gateway_pb2.CompleteRequest(request=ok), metadata=_auth("acme"), timeout=60)
     assert done.final.usage.completion_tokens >= 1
+
+
+def test_one_trace_per_request_across_gateway_router_worker(mesh, gateway, span_capture):
+    final = _stream(gateway, _chat("Say one word.", max_tokens=3), "acme")[2]
+    rid = final.request_id
+
+    def three_spans():
+        spans = span_capture.for_request(rid)
+        return spans if {s["service"] for s in spans} >= {"llmmesh-gateway", "llmmesh-router",
+                                                          "llmmesh-worker"} else None
+    deadline = time.monotonic() + 15
+    while not (spans := three_spans()):
+        assert time.monotonic() < deadline, span_capture.for_request(rid)
+        time.sleep(0.1)
+    by_service = {s["service"]: s for s in spans}
+    assert len({s["trace_id"] for s in spans}) == 1  # one trace, carried through Redis and gRPC
+    gw, rt, wk = by_service["llmmesh-gateway"], by_service["llmmesh-router"], by_service["llmmesh-worker"]
+    assert rt["parent_span_id"] == gw["span_id"] and wk["parent_span_id"] == rt["span_id"]
+    for span in (gw, rt, wk):
+        a = span["attributes"]
+        assert a["gen_ai.operation.name"] == "text_completion"
+        assert a["gen_ai.request.model"] == "smollm2-135m-instruct"
+        assert a["llmmesh.tenant.id"] == "acme"
+        assert a["gen_ai.usage.input_tokens"] == final.usage.prompt_tokens
+        assert a["gen_ai.usage.output_tokens"] == final.usage.completion_tokens
+    assert rt["attributes"]["llmmesh.usage.final"] is True  # the one billing record
+    assert "llmmesh.usage.final" not in gw["attributes"] and "llmmesh.usage.final" not in wk["attributes"]
