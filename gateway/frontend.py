@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.tenants import Tenant
+from gateway.textstream import TextStream
 from gateway.validation import ValidRequest
 from llmmesh import queue, telemetry
 from llmmesh.admission import REFUSALS, Admission, Reservation
@@ -18,7 +19,6 @@ from llmmesh.admission import keys as admission_keys
 from llmmesh.errors import (AlreadyExists, DeadlineExceeded, InvalidArgument, ResourceExhausted,
                             Unavailable, error_from_code)
 from llmmesh.prefix_hash import block_hashes
-from llmmesh.tokenizer import IncrementalDetokenizer
 
 # How long one XREAD blocks; bounds how late a deadline or a dead Redis is noticed.
 _POLL_BLOCK_MS = 500
@@ -132,7 +132,7 @@ class Frontend:
 
     async def _relay(self, req: ValidRequest, request_class: str,
                      deadline_unix_ns: int) -> AsyncIterator[TokensOut | FinalOut]:
-        detok = IncrementalDetokenizer(req.model.tokenizer)
+        detok = TextStream(req.model.tokenizer, req.sampling.get("stop"))
         stream, last_id, finished, next_index = queue.result_stream(req.request_id), "0-0", False, 0
         try:
             while True:
