@@ -1,4 +1,4 @@
-"""`python -m costd --listen HOST:PORT --db var/ledger.sqlite`: the billing daemon."""
+"""`python -m costd --listen HOST:PORT --db var/ledger.sqlite [--prices FILE]`: the billing daemon."""
 from __future__ import annotations
 
 import asyncio
@@ -22,8 +22,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         asyncio.run(serve(config))
-    except (OSError, RuntimeError, sqlite3.Error, PipelineError) as error:
-        # Start-up failures (port taken, ledger unreadable) get one line, not a traceback.
+    except (OSError, RuntimeError, ValueError, sqlite3.Error, PipelineError) as error:
+        # Start-up failures (port taken, ledger unreadable, bad price book or curve) get one
+        # line, not a traceback.
         logging.getLogger("costd").error("costd failed: %s", error)
         return 1
     return 0

@@ -6,12 +6,16 @@ from collections.abc import Callable
 
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from costd.billing import Billing
 from costd.config import CostdConfig
 from costd.ledger import UsageLedger
 from costd.pipeline import Pipeline
+from costd.pricebook import PriceBook
 from costd.receiver import TraceReceiver
 from costd.service import CostServicer
 from costd.usage import UsageProcessor
+from costd.whatif.curve import load_curves
+from costd.whatif.planner import WhatIfPlanner
 from llmmesh import server
 from llmmesh.v1 import cost_pb2, cost_pb2_grpc
 
@@ -25,7 +29,8 @@ SERVICE_NAMES = server.service_names(
 class CostPipeline(Pipeline):
     """OTLP receiver → usage processor → ledger; start opens the ledger, shutdown closes it.
 
-    A later stage (pricing with the price book) goes between the processor and the ledger.
+    Pricing is not a stage: the ledger keeps what was used, and prices apply when a bill is
+    read, so a corrected price book re-prices history without rewriting the ledger.
     """
 
     def __init__(self, ledger: UsageLedger) -> None:
@@ -35,22 +40,29 @@ class CostPipeline(Pipeline):
         super().__init__([self.receiver, processor, ledger])
 
 
-def build_servicers(pipeline: CostPipeline) -> list[tuple[Callable, object]]:
+def build_servicers(pipeline: CostPipeline, planner: WhatIfPlanner,
+                    config: CostdConfig) -> list[tuple[Callable, object]]:
     """(add_XServicer_to_server, servicer) pairs, in the order of SERVICE_NAMES."""
+    billing = Billing(pipeline.ledger, planner.book)
+    servicer = CostServicer(pipeline.ledger, billing, planner, config.idle_policy)
     return [
-        (cost_pb2_grpc.add_CostServiceServicer_to_server, CostServicer(pipeline.ledger)),
+        (cost_pb2_grpc.add_CostServiceServicer_to_server, servicer),
         (trace_service_pb2_grpc.add_TraceServiceServicer_to_server, pipeline.receiver),
     ]
 
 
 async def serve(config: CostdConfig) -> None:
     """Runs until SIGTERM/SIGINT; the ledger closes only after in-flight exports committed."""
+    # Read before the ledger opens: a bad price book or curve fails start-up, not a bill.
+    book = PriceBook.load(config.prices_path)
+    planner = WhatIfPlanner(book, load_curves(config.curves_dir))
     pipeline = CostPipeline(UsageLedger(config.ledger))
     await pipeline.start()
     try:
-        spec = server.ServiceSpec(servicers=build_servicers(pipeline),
+        spec = server.ServiceSpec(servicers=build_servicers(pipeline, planner, config),
                                   service_names=SERVICE_NAMES)
-        log.info("ledger %s", config.ledger.path)
+        log.info("ledger %s, prices %s (%s), %d curves from %s", config.ledger.display,
+                 config.prices_path, book.currency, len(planner.curves), config.curves_dir)
         await server.serve(spec, config.listen, grace_s=config.grace_s)
     finally:
         # Here, not in spec.on_shutdown: the ledger must close even when serving never began.

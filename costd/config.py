@@ -5,17 +5,26 @@ import argparse
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from costd.costmodel import IdlePolicy
 from costd.ledger import LedgerConfig
 
 # Where `llmmesh usage` looks for costd by default.
 DEFAULT_LISTEN = "127.0.0.1:50055"
 DEFAULT_LEDGER_URL = "sqlite:///var/ledger.sqlite"
+# Found from the code, not the working directory, so `python -m costd` works from anywhere.
+_REPO = Path(__file__).resolve().parents[1]
+DEFAULT_PRICES = str(_REPO / "config" / "prices.toml")
+DEFAULT_CURVES_DIR = str(_REPO / "bench" / "curves")
 # Long enough for in-flight exports to commit, short enough to exit well inside the usual
 # 5 s a supervisor waits after SIGTERM.
 DEFAULT_GRACE_S = 3.0
 LISTEN_ENV = "LLMMESH_COSTD_LISTEN"
 LEDGER_URL_ENV = "LLMMESH_LEDGER_URL"
+PRICES_ENV = "LLMMESH_PRICES"
+CURVES_ENV = "LLMMESH_CURVES_DIR"
+IDLE_POLICY_ENV = "LLMMESH_IDLE_POLICY"
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +32,9 @@ class CostdConfig:
     listen: str = DEFAULT_LISTEN
     ledger: LedgerConfig = field(default_factory=lambda: LedgerConfig.from_url(DEFAULT_LEDGER_URL))
     grace_s: float = DEFAULT_GRACE_S
+    prices_path: str = DEFAULT_PRICES
+    curves_dir: str = DEFAULT_CURVES_DIR
+    idle_policy: IdlePolicy = IdlePolicy.UNUSED
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -30,6 +42,8 @@ class CostdConfig:
             raise ValueError(f"listen address must be HOST:PORT, got {self.listen!r}")
         if not math.isfinite(self.grace_s) or self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if not isinstance(self.idle_policy, IdlePolicy):
+            raise ValueError(f"idle_policy must be an IdlePolicy, got {self.idle_policy!r}")
 
 
 def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> CostdConfig:
@@ -38,9 +52,18 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Cost
     parser.add_argument("--listen", default=environ.get(LISTEN_ENV, DEFAULT_LISTEN),
                         help=f"HOST:PORT for OTLP and CostService (env {LISTEN_ENV})")
     parser.add_argument("--db", default=environ.get(LEDGER_URL_ENV, DEFAULT_LEDGER_URL),
-                        help=f"ledger file path or sqlite:/// URL (env {LEDGER_URL_ENV})")
+                        help="ledger: file path, sqlite:/// URL or postgresql:// URL "
+                             f"(env {LEDGER_URL_ENV})")
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
                         help="seconds in-flight calls get to finish after SIGTERM")
+    parser.add_argument("--prices", default=environ.get(PRICES_ENV, DEFAULT_PRICES),
+                        help=f"price book TOML (env {PRICES_ENV})")
+    parser.add_argument("--curves-dir", default=environ.get(CURVES_ENV, DEFAULT_CURVES_DIR),
+                        help=f"throughput curves for what-if (env {CURVES_ENV})")
+    parser.add_argument("--idle-policy", default=environ.get(IDLE_POLICY_ENV, "unused"),
+                        choices=[p.value for p in IdlePolicy],
+                        help=f"default idle capacity policy (env {IDLE_POLICY_ENV})")
     args = parser.parse_args(argv)
     return CostdConfig(listen=args.listen, ledger=LedgerConfig.from_url(args.db),
-                       grace_s=args.grace_s)
+                       grace_s=args.grace_s, prices_path=args.prices,
+                       curves_dir=args.curves_dir, idle_policy=IdlePolicy(args.idle_policy))

@@ -1,59 +1,88 @@
-"""CostService: a thin gRPC edge over the usage ledger (proto ↔ domain, nothing else).
+"""CostService: a thin gRPC edge over billing (proto ↔ domain via costd.convert, nothing else).
 
 Errors are raised, not aborted: llmmesh.server's interceptor owns the status-code table.
+Billing work runs SQL and builds files, so it runs on a worker thread, never on the loop.
 """
 from __future__ import annotations
 
-import math
+import asyncio
+from collections.abc import AsyncIterator
 
+from costd import convert
+from costd.billing import Billing, Schema
+from costd.costmodel import IdlePolicy
+from costd.export import ExportFormat
 from costd.ledger import TenantUsage, UsageLedger
+from costd.periods import Granularity
+from costd.whatif.planner import WhatIfPlanner
 from llmmesh.errors import InvalidArgument
 from llmmesh.v1 import cost_pb2, cost_pb2_grpc
 
-_NS_PER_S = 1_000_000_000
-
-
-def time_range_ns(start_unix_s: float, end_unix_s: float) -> tuple[int, int | None]:
-    """[start, end) in Unix ns; end None means no upper bound.
-
-    The proto's "end 0 means now" is read as "no upper bound": every billed request has already
-    ended, so the two agree except for a sender whose clock runs ahead, whose usage must not
-    vanish from the bill.
-    """
-    for name, value in (("start_unix_s", start_unix_s), ("end_unix_s", end_unix_s)):
-        if not math.isfinite(value) or value < 0:
-            raise InvalidArgument(name, f"must be a finite number >= 0, got {value}")
-    start_ns = round(start_unix_s * _NS_PER_S)
-    if end_unix_s == 0:
-        return start_ns, None
-    end_ns = round(end_unix_s * _NS_PER_S)
-    if end_ns < start_ns:
-        raise InvalidArgument("end_unix_s", f"{end_unix_s} is before start_unix_s {start_unix_s}")
-    return start_ns, end_ns
-
+# gRPC's default message limit is 4 MiB; chunks stay well under it.
+CHUNK_BYTES = 1 << 20
+_SCHEMAS = {cost_pb2.EXPORT_SCHEMA_UNSPECIFIED: Schema.FOCUS,
+            cost_pb2.EXPORT_SCHEMA_FOCUS: Schema.FOCUS,
+            cost_pb2.EXPORT_SCHEMA_INVOICE_LINES: Schema.INVOICE_LINES,
+            cost_pb2.EXPORT_SCHEMA_CLOUDEVENTS: Schema.CLOUDEVENTS}
+_FORMATS = {cost_pb2.EXPORT_FORMAT_CSV: ExportFormat.CSV,
+            cost_pb2.EXPORT_FORMAT_PARQUET: ExportFormat.PARQUET,
+            cost_pb2.EXPORT_FORMAT_JSONL: ExportFormat.JSONL}
 
 def usage_response(usage: TenantUsage) -> cost_pb2.GetUsageResponse:
     return cost_pb2.GetUsageResponse(
-        tenant_id=usage.tenant_id,
-        requests=usage.num_requests,
+        tenant_id=usage.tenant_id, requests=usage.num_requests,
         prompt_tokens=usage.num_prompt_tokens,
         cached_prompt_tokens=usage.num_cached_prompt_tokens,
         completion_tokens=usage.num_completion_tokens,
         prefill_device_seconds=usage.prefill_device_s,
-        decode_device_seconds=usage.decode_device_s,
-    )
+        decode_device_seconds=usage.decode_device_s)
 
 
 class CostServicer(cost_pb2_grpc.CostServiceServicer):
-    def __init__(self, ledger: UsageLedger) -> None:
+    def __init__(self, ledger: UsageLedger, billing: Billing, planner: WhatIfPlanner,
+                 idle_policy: IdlePolicy = IdlePolicy.UNUSED) -> None:
         self._ledger = ledger
+        self._billing = billing
+        self._planner = planner
+        self._idle_policy = idle_policy
 
     async def GetUsage(self, request: cost_pb2.GetUsageRequest,
                        context: object) -> cost_pb2.GetUsageResponse:
         if not request.tenant_id:
             raise InvalidArgument("tenant_id", "is required")
-        start_ns, end_ns = time_range_ns(request.start_unix_s, request.end_unix_s)
+        start_ns, end_ns = convert.time_range_ns(request.start_unix_s, request.end_unix_s)
         # An unknown tenant simply has no rows: zeros, not NOT_FOUND, so a new tenant's
         # first bill is a valid empty one.
         usage = await self._ledger.query_usage(request.tenant_id, start_ns, end_ns)
         return usage_response(usage)
+
+    async def GetInvoice(self, request: cost_pb2.GetInvoiceRequest,
+                         context: object) -> cost_pb2.GetInvoiceResponse:
+        query = convert.billing_query(request.query, Granularity.TOTAL, self._idle_policy)
+        result = await asyncio.to_thread(self._billing.invoices, query)
+        return convert.invoice_response(result)
+
+    async def ExportBilling(self, request: cost_pb2.ExportBillingRequest,
+                            context: object) -> AsyncIterator[cost_pb2.ExportBillingChunk]:
+        query = convert.billing_query(request.query, Granularity.DAY, self._idle_policy)
+        schema = _SCHEMAS.get(request.schema)
+        if schema is None:
+            raise InvalidArgument("schema", f"unknown value {request.schema}")
+        default = ExportFormat.JSONL if schema == Schema.CLOUDEVENTS else ExportFormat.CSV
+        fmt = _FORMATS.get(request.format, default)
+        exported = await asyncio.to_thread(self._billing.export, query, schema, fmt)
+        for offset in range(0, len(exported.data), CHUNK_BYTES):
+            yield cost_pb2.ExportBillingChunk(data=exported.data[offset:offset + CHUNK_BYTES])
+        yield cost_pb2.ExportBillingChunk(summary=cost_pb2.ExportSummary(
+            rows=exported.num_rows, size_bytes=len(exported.data), sha256=exported.sha256,
+            content_type=exported.content_type, file_extension=exported.extension))
+
+    async def WhatIf(self, request: cost_pb2.WhatIfRequest,
+                     context: object) -> cost_pb2.WhatIfResponse:
+        profile = convert.profile_of(request.profile)
+        scenario = convert.scenario_of(request.scenario)
+        try:
+            result = self._planner.answer(profile, scenario, request.curve_json)
+        except ValueError as error:
+            raise InvalidArgument("scenario", str(error)) from error
+        return convert.whatif_response(result, self._planner.book.currency)

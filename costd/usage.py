@@ -1,19 +1,22 @@
-"""The usage processor: turns the one final usage span of each request into a `UsageRecord`.
+"""The usage processor: turns billing spans into a `LedgerBatch` for the ledger.
 
 Billing reads only spans flagged `llmmesh.usage.final == true` (the router's request span,
 set once per request when it has ended), never the per-attempt `gen_ai.generate` spans, so a
-retried attempt can never be billed twice.
+retried attempt can never be billed twice; and the workers' `llmmesh.capacity` reports
+(costd.capacity), from which idle capacity is known.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from decimal import ROUND_HALF_EVEN, Decimal
 
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from costd.pipeline import Consumer, PermanentError, Rejection
+from costd.attributes import MalformedUsage, SpanAttributes
+from costd.capacity import CapacityRecord, capacity_from_span
+from costd.pipeline import Consumer, Rejection
 
 FINAL = "llmmesh.usage.final"
 REQUEST_ID = "llmmesh.request.id"
@@ -30,8 +33,12 @@ WORKER_ID = "llmmesh.worker.id"
 FINISH_REASONS = "gen_ai.response.finish_reasons"
 
 
-class MalformedUsage(PermanentError):
-    """A final usage span that cannot be billed as sent; resending it cannot help."""
+__all__ = ["LedgerBatch", "MalformedUsage", "UsageProcessor", "UsageRecord", "record_from_span"]
+
+
+def seconds_to_ns(seconds: float) -> int:
+    """Exact (via Decimal) so the ledger's integer sums never depend on float rounding order."""
+    return int(Decimal(seconds).scaleb(9).to_integral_value(ROUND_HALF_EVEN))
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,70 +76,29 @@ class UsageRecord:
                 f"cached prompt tokens ({self.num_cached_prompt_tokens}) exceed prompt tokens "
                 f"({self.num_prompt_tokens}); input_tokens must include cached ones")
 
+    @property
+    def prefill_device_ns(self) -> int:
+        return seconds_to_ns(self.prefill_device_s)
 
-class _Attributes:
-    """Typed, strict reads of a span's attributes; every failure names the attribute."""
+    @property
+    def decode_device_ns(self) -> int:
+        return seconds_to_ns(self.decode_device_s)
 
-    def __init__(self, span: Span) -> None:
-        self._values: dict[str, AnyValue] = {kv.key: kv.value for kv in span.attributes}
 
-    def __contains__(self, key: str) -> bool:
-        return key in self._values
+@dataclass(frozen=True, slots=True)
+class LedgerBatch:
+    """What one export carries into the ledger: request usage and worker capacity intervals."""
 
-    def _get(self, key: str, kind: str, default: object) -> object:
-        value = self._values.get(key)
-        if value is None or value.WhichOneof("value") is None:
-            if default is None:
-                raise MalformedUsage(f"{key} is required")
-            return default
-        if value.WhichOneof("value") != kind:
-            raise MalformedUsage(f"{key} must be {kind}, got {value.WhichOneof('value')}")
-        return getattr(value, kind)
+    usage: tuple[UsageRecord, ...] = ()
+    capacity: tuple[CapacityRecord, ...] = field(default=())
 
-    def text(self, key: str, default: str | None = None) -> str:
-        value = self._get(key, "string_value", default)
-        if default is None and not value:
-            raise MalformedUsage(f"{key} is required")
-        return value  # type: ignore[return-value]
-
-    def flag(self, key: str) -> bool:
-        return self._get(key, "bool_value", False)  # type: ignore[return-value]
-
-    def count(self, key: str, default: int | None = None) -> int:
-        value = self._values.get(key)
-        # Some SDKs send counts as doubles; accept them only when nothing would be rounded.
-        if value is not None and value.WhichOneof("value") == "double_value":
-            if not value.double_value.is_integer():
-                raise MalformedUsage(f"{key} must be an integer, got {value.double_value}")
-            number = int(value.double_value)
-        else:
-            number = self._get(key, "int_value", default)  # type: ignore[assignment]
-        if number < 0:
-            raise MalformedUsage(f"{key} must be >= 0, got {number}")
-        return number
-
-    def seconds(self, key: str, default: float) -> float:
-        value = self._values.get(key)
-        if value is not None and value.WhichOneof("value") == "int_value":
-            number = float(value.int_value)
-        else:
-            number = self._get(key, "double_value", default)  # type: ignore[assignment]
-        if not math.isfinite(number) or number < 0:
-            raise MalformedUsage(f"{key} must be finite and >= 0, got {number}")
-        return number
-
-    def texts(self, key: str) -> tuple[str, ...]:
-        array = self._get(key, "array_value", ())
-        if not array:
-            return ()
-        if any(v.WhichOneof("value") != "string_value" for v in array.values):
-            raise MalformedUsage(f"{key} must be an array of strings")
-        return tuple(v.string_value for v in array.values)
+    def __bool__(self) -> bool:
+        return bool(self.usage or self.capacity)
 
 
 def record_from_span(span: Span) -> UsageRecord | None:
     """The span's usage record; None when the span is not a final usage span."""
-    attrs = _Attributes(span)
+    attrs = SpanAttributes(span)
     if FINAL not in attrs or not attrs.flag(FINAL):
         return None
     if span.end_time_unix_nano == 0:
@@ -158,14 +124,17 @@ def record_from_span(span: Span) -> UsageRecord | None:
 
 def _span_label(span: Span) -> str:
     label = f"span {span.span_id.hex() or '<no id>'}"
-    request_ids = [kv.value.string_value for kv in span.attributes if kv.key == REQUEST_ID]
-    return f"{label} (request {request_ids[0]})" if request_ids and request_ids[0] else label
+    keys = {REQUEST_ID: "request", "llmmesh.capacity.interval.id": "interval"}
+    for kv in span.attributes:
+        if kv.key in keys and kv.value.string_value:
+            return f"{label} ({keys[kv.key]} {kv.value.string_value})"
+    return label
 
 
 class UsageProcessor:
-    """Spans in, usage records out to the next stage; malformed spans become rejections."""
+    """Spans in, one `LedgerBatch` out to the next stage; malformed spans become rejections."""
 
-    def __init__(self, next_consumer: Consumer[Sequence[UsageRecord]]) -> None:
+    def __init__(self, next_consumer: Consumer[LedgerBatch]) -> None:
         self._next = next_consumer
 
     async def start(self) -> None:
@@ -175,16 +144,20 @@ class UsageProcessor:
         pass
 
     async def consume(self, batch: Sequence[Span]) -> Sequence[Rejection]:
-        records: list[UsageRecord] = []
+        usage: list[UsageRecord] = []
+        capacity: list[CapacityRecord] = []
         rejections: list[Rejection] = []
         for span in batch:
             try:
-                record = record_from_span(span)
+                record = record_from_span(span) or capacity_from_span(span)
             except MalformedUsage as error:
                 rejections.append(Rejection(_span_label(span), str(error)))
                 continue
-            if record is not None:
-                records.append(record)
-        if records:
-            rejections.extend(await self._next.consume(records))
+            if isinstance(record, UsageRecord):
+                usage.append(record)
+            elif record is not None:
+                capacity.append(record)
+        ledger_batch = LedgerBatch(tuple(usage), tuple(capacity))
+        if ledger_batch:
+            rejections.extend(await self._next.consume(ledger_batch))
         return rejections

@@ -24,17 +24,61 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15llmmesh/v1/cost.proto\x12\nllmmesh.v1\"N\n\x0fGetUsageRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x14\n\x0cstart_unix_s\x18\x02 \x01(\x01\x12\x12\n\nend_unix_s\x18\x03 \x01(\x01\"\xc6\x01\n\x10GetUsageResponse\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x03\x12\x1e\n\x16prefill_device_seconds\x18\x06 \x01(\x01\x12\x1d\n\x15\x64\x65\x63ode_device_seconds\x18\x07 \x01(\x01\x32T\n\x0b\x43ostService\x12\x45\n\x08GetUsage\x12\x1b.llmmesh.v1.GetUsageRequest\x1a\x1c.llmmesh.v1.GetUsageResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15llmmesh/v1/cost.proto\x12\nllmmesh.v1\"N\n\x0fGetUsageRequest\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x14\n\x0cstart_unix_s\x18\x02 \x01(\x01\x12\x12\n\nend_unix_s\x18\x03 \x01(\x01\"\xc6\x01\n\x10GetUsageResponse\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\x03\x12\x1e\n\x16prefill_device_seconds\x18\x06 \x01(\x01\x12\x1d\n\x15\x64\x65\x63ode_device_seconds\x18\x07 \x01(\x01\"\xa6\x01\n\x0c\x42illingQuery\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x14\n\x0cstart_unix_s\x18\x02 \x01(\x01\x12\x12\n\nend_unix_s\x18\x03 \x01(\x01\x12,\n\x0bgranularity\x18\x04 \x01(\x0e\x32\x17.llmmesh.v1.Granularity\x12+\n\x0bidle_policy\x18\x05 \x01(\x0e\x32\x16.llmmesh.v1.IdlePolicy\"<\n\x11GetInvoiceRequest\x12\'\n\x05query\x18\x01 \x01(\x0b\x32\x18.llmmesh.v1.BillingQuery\"\xb4\x02\n\x0bInvoiceLine\x12\x1b\n\x13period_start_unix_s\x18\x01 \x01(\x01\x12\x19\n\x11period_end_unix_s\x18\x02 \x01(\x01\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rrequest_class\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12)\n\ntoken_kind\x18\x06 \x01(\x0e\x32\x15.llmmesh.v1.TokenKind\x12\x10\n\x08requests\x18\x07 \x01(\x03\x12\x0e\n\x06tokens\x18\x08 \x01(\x03\x12\x15\n\rcached_tokens\x18\t \x01(\x03\x12\x11\n\tdevice_ns\x18\n \x01(\x03\x12\x0c\n\x04\x63ost\x18\x0b \x01(\t\x12\x11\n\tlist_cost\x18\x0c \x01(\t\x12\x1f\n\x17\x63ost_per_million_tokens\x18\r \x01(\t\"\xde\x02\n\x07Invoice\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12&\n\x05lines\x18\x02 \x03(\x0b\x32\x17.llmmesh.v1.InvoiceLine\x12\x10\n\x08requests\x18\x03 \x01(\x03\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x05 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\x03\x12\x13\n\x0bprompt_cost\x18\x07 \x01(\t\x12\x17\n\x0f\x63ompletion_cost\x18\x08 \x01(\t\x12\x11\n\tidle_cost\x18\t \x01(\t\x12\r\n\x05total\x18\n \x01(\t\x12\x12\n\namount_due\x18\x0b \x01(\t\x12&\n\x1eprompt_cost_per_million_tokens\x18\x0c \x01(\t\x12*\n\"completion_cost_per_million_tokens\x18\r \x01(\t\"\xcf\x01\n\x14\x44\x65viceReconciliation\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x13\n\x0b\x63\x61pacity_ns\x18\x02 \x01(\x03\x12\x15\n\rattributed_ns\x18\x03 \x01(\x03\x12\x0f\n\x07idle_ns\x18\x04 \x01(\x03\x12\x15\n\rcapacity_cost\x18\x05 \x01(\t\x12\x17\n\x0f\x61ttributed_cost\x18\x06 \x01(\t\x12\x1b\n\x13idle_allocated_cost\x18\x07 \x01(\t\x12\x1d\n\x15idle_unallocated_cost\x18\x08 \x01(\t\"F\n\x0eWorkerCapacity\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x11\n\tuptime_ns\x18\x03 \x01(\x03\"\xa0\x02\n\x0eReconciliation\x12\x15\n\rcapacity_cost\x18\x01 \x01(\t\x12\x14\n\x0ctenants_cost\x18\x02 \x01(\t\x12\x13\n\x0bunused_cost\x18\x03 \x01(\t\x12\x14\n\x0c\x63\x61pacity_due\x18\x04 \x01(\t\x12\x13\n\x0btenants_due\x18\x05 \x01(\t\x12\x12\n\nunused_due\x18\x06 \x01(\t\x12\x31\n\x07\x64\x65vices\x18\x07 \x03(\x0b\x32 .llmmesh.v1.DeviceReconciliation\x12+\n\x07workers\x18\x08 \x03(\x0b\x32\x1a.llmmesh.v1.WorkerCapacity\x12-\n\x0cunused_lines\x18\t \x03(\x0b\x32\x17.llmmesh.v1.InvoiceLine\"\xbd\x01\n\x12GetInvoiceResponse\x12\x10\n\x08\x63urrency\x18\x01 \x01(\t\x12\x14\n\x0cstart_unix_s\x18\x02 \x01(\x01\x12\x12\n\nend_unix_s\x18\x03 \x01(\x01\x12%\n\x08invoices\x18\x04 \x03(\x0b\x32\x13.llmmesh.v1.Invoice\x12\x32\n\x0ereconciliation\x18\x05 \x01(\x0b\x32\x1a.llmmesh.v1.Reconciliation\x12\x10\n\x08warnings\x18\x06 \x03(\t\"\x93\x01\n\x14\x45xportBillingRequest\x12\'\n\x05query\x18\x01 \x01(\x0b\x32\x18.llmmesh.v1.BillingQuery\x12(\n\x06schema\x18\x02 \x01(\x0e\x32\x18.llmmesh.v1.ExportSchema\x12(\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x18.llmmesh.v1.ExportFormat\"o\n\rExportSummary\x12\x0c\n\x04rows\x18\x01 \x01(\x03\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x14\n\x0c\x63ontent_type\x18\x04 \x01(\t\x12\x16\n\x0e\x66ile_extension\x18\x05 \x01(\t\"[\n\x12\x45xportBillingChunk\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12,\n\x07summary\x18\x02 \x01(\x0b\x32\x19.llmmesh.v1.ExportSummaryH\x00\x42\x07\n\x05\x63hunk\".\n\x0cLengthBucket\x12\x0e\n\x06tokens\x18\x01 \x01(\x03\x12\x0e\n\x06weight\x18\x02 \x01(\x01\"\xaf\x01\n\x0eTrafficProfile\x12\x1e\n\x16requests_per_s_by_hour\x18\x01 \x03(\x01\x12/\n\rprompt_tokens\x18\x02 \x03(\x0b\x32\x18.llmmesh.v1.LengthBucket\x12\x33\n\x11\x63ompletion_tokens\x18\x03 \x03(\x0b\x32\x18.llmmesh.v1.LengthBucket\x12\x17\n\x0fprefix_hit_rate\x18\x04 \x01(\x01\"\xdc\x01\n\x08Scenario\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x16\n\x0eprice_per_hour\x18\x02 \x01(\t\x12\x14\n\x0cquantization\x18\x03 \x01(\t\x12\x11\n\tmax_batch\x18\x04 \x01(\x05\x12 \n\x18prompt_length_change_pct\x18\x05 \x01(\x01\x12\x13\n\x0bmax_devices\x18\x06 \x01(\x05\x12\x1a\n\x12target_utilisation\x18\x07 \x01(\x01\x12\x11\n\tautoscale\x18\x08 \x01(\x08\x12\x19\n\x11p95_latency_slo_s\x18\t \x01(\x01\"x\n\rWhatIfRequest\x12+\n\x07profile\x18\x01 \x01(\x0b\x32\x1a.llmmesh.v1.TrafficProfile\x12&\n\x08scenario\x18\x02 \x01(\x0b\x32\x14.llmmesh.v1.Scenario\x12\x12\n\ncurve_json\x18\x03 \x01(\t\"|\n\nWhatIfHour\x12\x0c\n\x04hour\x18\x01 \x01(\x05\x12\x16\n\x0erequests_per_s\x18\x02 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x03 \x01(\x01\x12\x0f\n\x07\x64\x65vices\x18\x04 \x01(\x05\x12\x13\n\x0butilisation\x18\x05 \x01(\x01\x12\x0c\n\x04\x63ost\x18\x06 \x01(\t\"\xd3\x03\n\x0eWhatIfResponse\x12\x10\n\x08\x66\x65\x61sible\x18\x01 \x01(\x08\x12\x0f\n\x07reasons\x18\x02 \x03(\t\x12\x10\n\x08\x63urrency\x18\x03 \x01(\t\x12\x1f\n\x17\x63ost_per_million_tokens\x18\x04 \x01(\t\x12&\n\x1eprompt_cost_per_million_tokens\x18\x05 \x01(\t\x12*\n\"completion_cost_per_million_tokens\x18\x06 \x01(\t\x12\x33\n+cost_per_million_tokens_at_full_utilisation\x18\x07 \x01(\t\x12\x0c\n\x04\x63ost\x18\x08 \x01(\t\x12\x16\n\x0e\x64\x65vices_needed\x18\t \x01(\x05\x12\x14\n\x0c\x64\x65vice_hours\x18\n \x01(\x01\x12\x13\n\x0butilisation\x18\x0b \x01(\x01\x12\x15\n\rp95_latency_s\x18\x0c \x01(\x01\x12\x13\n\x0b\x63oncurrency\x18\r \x01(\x05\x12\x1f\n\x17tokens_per_s_per_device\x18\x0e \x01(\x01\x12\x0e\n\x06tokens\x18\x0f \x01(\x01\x12\r\n\x05\x63urve\x18\x10 \x01(\t\x12%\n\x05hours\x18\x11 \x03(\x0b\x32\x16.llmmesh.v1.WhatIfHour*\x83\x01\n\x0bGranularity\x12\x1b\n\x17GRANULARITY_UNSPECIFIED\x10\x00\x12\x15\n\x11GRANULARITY_TOTAL\x10\x01\x12\x14\n\x10GRANULARITY_HOUR\x10\x02\x12\x13\n\x0fGRANULARITY_DAY\x10\x03\x12\x15\n\x11GRANULARITY_MONTH\x10\x04*[\n\nIdlePolicy\x12\x1b\n\x17IDLE_POLICY_UNSPECIFIED\x10\x00\x12\x16\n\x12IDLE_POLICY_UNUSED\x10\x01\x12\x18\n\x14IDLE_POLICY_PRO_RATA\x10\x02*n\n\tTokenKind\x12\x1a\n\x16TOKEN_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11TOKEN_KIND_PROMPT\x10\x01\x12\x19\n\x15TOKEN_KIND_COMPLETION\x10\x02\x12\x13\n\x0fTOKEN_KIND_IDLE\x10\x03*\x86\x01\n\x0c\x45xportSchema\x12\x1d\n\x19\x45XPORT_SCHEMA_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45XPORT_SCHEMA_FOCUS\x10\x01\x12\x1f\n\x1b\x45XPORT_SCHEMA_INVOICE_LINES\x10\x02\x12\x1d\n\x19\x45XPORT_SCHEMA_CLOUDEVENTS\x10\x03*x\n\x0c\x45xportFormat\x12\x1d\n\x19\x45XPORT_FORMAT_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45XPORT_FORMAT_CSV\x10\x01\x12\x19\n\x15\x45XPORT_FORMAT_PARQUET\x10\x02\x12\x17\n\x13\x45XPORT_FORMAT_JSONL\x10\x03\x32\xb7\x02\n\x0b\x43ostService\x12\x45\n\x08GetUsage\x12\x1b.llmmesh.v1.GetUsageRequest\x1a\x1c.llmmesh.v1.GetUsageResponse\x12K\n\nGetInvoice\x12\x1d.llmmesh.v1.GetInvoiceRequest\x1a\x1e.llmmesh.v1.GetInvoiceResponse\x12S\n\rExportBilling\x12 .llmmesh.v1.ExportBillingRequest\x1a\x1e.llmmesh.v1.ExportBillingChunk0\x01\x12?\n\x06WhatIf\x12\x19.llmmesh.v1.WhatIfRequest\x1a\x1a.llmmesh.v1.WhatIfResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmmesh.v1.cost_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GRANULARITY']._serialized_start=3502
+  _globals['_GRANULARITY']._serialized_end=3633
+  _globals['_IDLEPOLICY']._serialized_start=3635
+  _globals['_IDLEPOLICY']._serialized_end=3726
+  _globals['_TOKENKIND']._serialized_start=3728
+  _globals['_TOKENKIND']._serialized_end=3838
+  _globals['_EXPORTSCHEMA']._serialized_start=3841
+  _globals['_EXPORTSCHEMA']._serialized_end=3975
+  _globals['_EXPORTFORMAT']._serialized_start=3977
+  _globals['_EXPORTFORMAT']._serialized_end=4097
   _globals['_GETUSAGEREQUEST']._serialized_start=37
   _globals['_GETUSAGEREQUEST']._serialized_end=115
   _globals['_GETUSAGERESPONSE']._serialized_start=118
   _globals['_GETUSAGERESPONSE']._serialized_end=316
-  _globals['_COSTSERVICE']._serialized_start=318
-  _globals['_COSTSERVICE']._serialized_end=402
+  _globals['_BILLINGQUERY']._serialized_start=319
+  _globals['_BILLINGQUERY']._serialized_end=485
+  _globals['_GETINVOICEREQUEST']._serialized_start=487
+  _globals['_GETINVOICEREQUEST']._serialized_end=547
+  _globals['_INVOICELINE']._serialized_start=550
+  _globals['_INVOICELINE']._serialized_end=858
+  _globals['_INVOICE']._serialized_start=861
+  _globals['_INVOICE']._serialized_end=1211
+  _globals['_DEVICERECONCILIATION']._serialized_start=1214
+  _globals['_DEVICERECONCILIATION']._serialized_end=1421
+  _globals['_WORKERCAPACITY']._serialized_start=1423
+  _globals['_WORKERCAPACITY']._serialized_end=1493
+  _globals['_RECONCILIATION']._serialized_start=1496
+  _globals['_RECONCILIATION']._serialized_end=1784
+  _globals['_GETINVOICERESPONSE']._serialized_start=1787
+  _globals['_GETINVOICERESPONSE']._serialized_end=1976
+  _globals['_EXPORTBILLINGREQUEST']._serialized_start=1979
+  _globals['_EXPORTBILLINGREQUEST']._serialized_end=2126
+  _globals['_EXPORTSUMMARY']._serialized_start=2128
+  _globals['_EXPORTSUMMARY']._serialized_end=2239
+  _globals['_EXPORTBILLINGCHUNK']._serialized_start=2241
+  _globals['_EXPORTBILLINGCHUNK']._serialized_end=2332
+  _globals['_LENGTHBUCKET']._serialized_start=2334
+  _globals['_LENGTHBUCKET']._serialized_end=2380
+  _globals['_TRAFFICPROFILE']._serialized_start=2383
+  _globals['_TRAFFICPROFILE']._serialized_end=2558
+  _globals['_SCENARIO']._serialized_start=2561
+  _globals['_SCENARIO']._serialized_end=2781
+  _globals['_WHATIFREQUEST']._serialized_start=2783
+  _globals['_WHATIFREQUEST']._serialized_end=2903
+  _globals['_WHATIFHOUR']._serialized_start=2905
+  _globals['_WHATIFHOUR']._serialized_end=3029
+  _globals['_WHATIFRESPONSE']._serialized_start=3032
+  _globals['_WHATIFRESPONSE']._serialized_end=3499
+  _globals['_COSTSERVICE']._serialized_start=4100
+  _globals['_COSTSERVICE']._serialized_end=4411
 # @@protoc_insertion_point(module_scope)

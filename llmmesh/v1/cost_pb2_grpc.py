@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class CostServiceStub:
-    """Billing queries over the usage ledger.
+    """Billing over the usage ledger: usage, invoices, exports and what-if answers.
+    Money is a decimal string in the response's currency ("0.000123456"), exact: never a
+    float. Lines keep 1e-9 of the currency; amounts due are rounded half-even to the cent.
     """
 
     def __init__(self, channel):
@@ -40,14 +42,52 @@ class CostServiceStub:
                 request_serializer=llmmesh_dot_v1_dot_cost__pb2.GetUsageRequest.SerializeToString,
                 response_deserializer=llmmesh_dot_v1_dot_cost__pb2.GetUsageResponse.FromString,
                 _registered_method=True)
+        self.GetInvoice = channel.unary_unary(
+                '/llmmesh.v1.CostService/GetInvoice',
+                request_serializer=llmmesh_dot_v1_dot_cost__pb2.GetInvoiceRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_cost__pb2.GetInvoiceResponse.FromString,
+                _registered_method=True)
+        self.ExportBilling = channel.unary_stream(
+                '/llmmesh.v1.CostService/ExportBilling',
+                request_serializer=llmmesh_dot_v1_dot_cost__pb2.ExportBillingRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_cost__pb2.ExportBillingChunk.FromString,
+                _registered_method=True)
+        self.WhatIf = channel.unary_unary(
+                '/llmmesh.v1.CostService/WhatIf',
+                request_serializer=llmmesh_dot_v1_dot_cost__pb2.WhatIfRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_cost__pb2.WhatIfResponse.FromString,
+                _registered_method=True)
 
 
 class CostServiceServicer:
-    """Billing queries over the usage ledger.
+    """Billing over the usage ledger: usage, invoices, exports and what-if answers.
+    Money is a decimal string in the response's currency ("0.000123456"), exact: never a
+    float. Lines keep 1e-9 of the currency; amounts due are rounded half-even to the cent.
     """
 
     def GetUsage(self, request, context):
         """Token usage of one tenant over a time range.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetInvoice(self, request, context):
+        """Invoices (one tenant, or every tenant with the fleet's reconciliation) over a range.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportBilling(self, request, context):
+        """The same billing data as a file: FOCUS rows, invoice lines or CloudEvents, streamed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WhatIf(self, request, context):
+        """What a traffic profile would cost under a scenario, from measured throughput curves.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -61,6 +101,21 @@ def add_CostServiceServicer_to_server(servicer, server):
                     request_deserializer=llmmesh_dot_v1_dot_cost__pb2.GetUsageRequest.FromString,
                     response_serializer=llmmesh_dot_v1_dot_cost__pb2.GetUsageResponse.SerializeToString,
             ),
+            'GetInvoice': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInvoice,
+                    request_deserializer=llmmesh_dot_v1_dot_cost__pb2.GetInvoiceRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_cost__pb2.GetInvoiceResponse.SerializeToString,
+            ),
+            'ExportBilling': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportBilling,
+                    request_deserializer=llmmesh_dot_v1_dot_cost__pb2.ExportBillingRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_cost__pb2.ExportBillingChunk.SerializeToString,
+            ),
+            'WhatIf': grpc.unary_unary_rpc_method_handler(
+                    servicer.WhatIf,
+                    request_deserializer=llmmesh_dot_v1_dot_cost__pb2.WhatIfRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_cost__pb2.WhatIfResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'llmmesh.v1.CostService', rpc_method_handlers)
@@ -70,7 +125,9 @@ def add_CostServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class CostService:
-    """Billing queries over the usage ledger.
+    """Billing over the usage ledger: usage, invoices, exports and what-if answers.
+    Money is a decimal string in the response's currency ("0.000123456"), exact: never a
+    float. Lines keep 1e-9 of the currency; amounts due are rounded half-even to the cent.
     """
 
     @staticmethod
@@ -90,6 +147,87 @@ class CostService:
             '/llmmesh.v1.CostService/GetUsage',
             llmmesh_dot_v1_dot_cost__pb2.GetUsageRequest.SerializeToString,
             llmmesh_dot_v1_dot_cost__pb2.GetUsageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInvoice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmmesh.v1.CostService/GetInvoice',
+            llmmesh_dot_v1_dot_cost__pb2.GetInvoiceRequest.SerializeToString,
+            llmmesh_dot_v1_dot_cost__pb2.GetInvoiceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportBilling(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/llmmesh.v1.CostService/ExportBilling',
+            llmmesh_dot_v1_dot_cost__pb2.ExportBillingRequest.SerializeToString,
+            llmmesh_dot_v1_dot_cost__pb2.ExportBillingChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WhatIf(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmmesh.v1.CostService/WhatIf',
+            llmmesh_dot_v1_dot_cost__pb2.WhatIfRequest.SerializeToString,
+            llmmesh_dot_v1_dot_cost__pb2.WhatIfResponse.FromString,
             options,
             channel_credentials,
             insecure,

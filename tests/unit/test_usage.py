@@ -1,4 +1,4 @@
-"""Usage processor: only final usage spans become records; malformed ones become rejections."""
+"""Usage processor: only final usage and capacity spans become records; malformed ones become rejections."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +7,7 @@ import pytest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from costd.capacity import CapacityRecord, capacity_from_span
 from costd.usage import MalformedUsage, UsageProcessor, UsageRecord, record_from_span
 
 END_NS = 1_700_000_000 * 1_000_000_000
@@ -97,7 +98,7 @@ class Collect:
         self.batches: list = []
 
     async def consume(self, batch):
-        self.batches.append(list(batch))
+        self.batches.append(batch)
         return ()
 
 
@@ -110,7 +111,7 @@ def test_processor_passes_good_records_and_rejects_bad_spans():
         span({"gen_ai.usage.input_tokens": 99}),  # a worker span: ignored, not rejected
     ]
     rejections = asyncio.run(UsageProcessor(sink).consume(batch))
-    assert [r.request_id for r in sink.batches[0]] == ["good"]
+    assert [r.request_id for r in sink.batches[0].usage] == ["good"]
     assert [str(r) for r in rejections] == [
         "span 00000000000000ab (request bad): llmmesh.tenant.id is required"]
 
@@ -119,3 +120,47 @@ def test_processor_sends_nothing_downstream_when_no_span_bills():
     sink = Collect()
     assert asyncio.run(UsageProcessor(sink).consume([span({"x": 1})])) == []
     assert sink.batches == []
+
+
+def capacity_span(interval_id="w1:100", start_ns=END_NS - 10 * 10**9, end_ns=END_NS,
+                  **overrides) -> Span:
+    attributes = {"llmmesh.capacity.final": True, "llmmesh.capacity.interval.id": interval_id,
+                  "llmmesh.worker.id": "w1", "llmmesh.device.type": "cpu", **overrides}
+    attributes = {k: v for k, v in attributes.items() if v is not None}
+    return Span(name="llmmesh.capacity", span_id=b"\x02" * 8, start_time_unix_nano=start_ns,
+                end_time_unix_nano=end_ns,
+                attributes=[KeyValue(key=k, value=any_value(v)) for k, v in attributes.items()])
+
+
+def test_capacity_span_becomes_a_capacity_record_next_to_usage():
+    sink = Collect()
+    batch = [span(usage_attributes()), capacity_span()]
+    assert asyncio.run(UsageProcessor(sink).consume(batch)) == []
+    (ledger_batch,) = sink.batches
+    assert [r.request_id for r in ledger_batch.usage] == ["req-1"]
+    assert ledger_batch.capacity == (CapacityRecord("w1:100", "w1", "cpu", END_NS - 10**10, END_NS),)
+
+
+@pytest.mark.parametrize("span_, reason", [
+    (capacity_span(**{"llmmesh.capacity.interval.id": None}),
+     "llmmesh.capacity.interval.id is required"),
+    (capacity_span(**{"llmmesh.device.type": None}), "llmmesh.device.type is required"),
+    (capacity_span(start_ns=END_NS + 1), "ends (1700000000000000000) before it starts"),
+    (capacity_span(start_ns=END_NS - 25 * 3600 * 10**9), "longer than a day"),
+])
+def test_malformed_capacity_span_is_rejected_with_its_interval(span_, reason):
+    sink = Collect()
+    (rejection,) = asyncio.run(UsageProcessor(sink).consume([span_]))
+    assert reason in rejection.reason
+    assert sink.batches == []
+
+
+def test_capacity_span_without_the_final_flag_is_ignored():
+    assert capacity_from_span(capacity_span(**{"llmmesh.capacity.final": False})) is None
+
+
+def test_device_seconds_become_exact_nanoseconds():
+    record = record_from_span(span(usage_attributes(**{
+        "llmmesh.prefill.device_seconds": 0.1, "llmmesh.decode.device_seconds": 1e-10})))
+    # 0.1 as a double is 0.1000000000000000055…: rounding to ns gives exactly 100 ms.
+    assert (record.prefill_device_ns, record.decode_device_ns) == (100_000_000, 0)

@@ -1,0 +1,67 @@
+"""Worker capacity reports: one `llmmesh.capacity` span per worker per interval of uptime.
+
+A worker emits one span per interval (start and end are the interval's), flagged
+`llmmesh.capacity.final == true` and keyed by `llmmesh.capacity.interval.id`, so retried
+exports land once. The intervals of one worker are contiguous: their sum is its uptime, the
+device-hours the fleet paid for, against which attributed request time is reconciled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from costd.attributes import MalformedUsage, SpanAttributes
+
+SPAN_NAME = "llmmesh.capacity"
+FINAL = "llmmesh.capacity.final"
+INTERVAL_ID = "llmmesh.capacity.interval.id"
+WORKER_ID = "llmmesh.worker.id"
+DEVICE_TYPE = "llmmesh.device.type"
+# Workers report every few seconds; a longer interval is a broken sender, and the bound lets
+# range queries use the start-time index alone.
+MAX_INTERVAL_NS = 24 * 3600 * 1_000_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityRecord:
+    """One interval of one worker's uptime, exactly as written to the ledger."""
+
+    interval_id: str
+    worker_id: str
+    device_type: str
+    start_unix_ns: int
+    end_unix_ns: int
+
+    def __post_init__(self) -> None:
+        for name in ("interval_id", "worker_id", "device_type"):
+            if not getattr(self, name):
+                raise MalformedUsage(f"{name} is empty")
+        if self.start_unix_ns <= 0:
+            raise MalformedUsage("capacity span has no start time")
+        if self.end_unix_ns < self.start_unix_ns:
+            raise MalformedUsage(
+                f"capacity interval ends ({self.end_unix_ns}) before it starts "
+                f"({self.start_unix_ns})")
+        if self.duration_ns > MAX_INTERVAL_NS:
+            raise MalformedUsage(f"capacity interval is longer than a day ({self.duration_ns} ns)")
+
+    @property
+    def duration_ns(self) -> int:
+        return self.end_unix_ns - self.start_unix_ns
+
+
+def capacity_from_span(span: Span) -> CapacityRecord | None:
+    """The span's capacity record; None when the span is not a final capacity report."""
+    attrs = SpanAttributes(span)
+    if FINAL not in attrs or not attrs.flag(FINAL):
+        return None
+    if span.end_time_unix_nano == 0:
+        raise MalformedUsage("span has no end time")
+    return CapacityRecord(
+        interval_id=attrs.text(INTERVAL_ID),
+        worker_id=attrs.text(WORKER_ID),
+        device_type=attrs.text(DEVICE_TYPE),
+        start_unix_ns=span.start_time_unix_nano,
+        end_unix_ns=span.end_time_unix_nano,
+    )

@@ -1,0 +1,245 @@
+"""`llmmesh bill` and `llmmesh whatif`: costd's invoices, exports and what-if answers.
+
+Talks to costd over gRPC only (no service is imported here); `whatif --local` runs
+`python -m costd.whatif` on the price book and curves in this checkout instead.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import grpc
+import typer
+from google.protobuf import json_format
+
+from llmmesh.atomic_file import write_atomic
+from llmmesh.v1 import cost_pb2, cost_pb2_grpc
+
+DEFAULT_COSTD = "127.0.0.1:50055"
+# --format → (schema, file format); None: not an export but GetInvoice.
+EXPORTS = {
+    "csv": (cost_pb2.EXPORT_SCHEMA_INVOICE_LINES, cost_pb2.EXPORT_FORMAT_CSV),
+    "parquet": (cost_pb2.EXPORT_SCHEMA_INVOICE_LINES, cost_pb2.EXPORT_FORMAT_PARQUET),
+    "jsonl": (cost_pb2.EXPORT_SCHEMA_INVOICE_LINES, cost_pb2.EXPORT_FORMAT_JSONL),
+    "focus": (cost_pb2.EXPORT_SCHEMA_FOCUS, cost_pb2.EXPORT_FORMAT_CSV),
+    "cloudevents": (cost_pb2.EXPORT_SCHEMA_CLOUDEVENTS, cost_pb2.EXPORT_FORMAT_JSONL),
+}
+FORMATS = ("table", "json", *EXPORTS)
+GRANULARITIES = {"total": cost_pb2.GRANULARITY_TOTAL, "hour": cost_pb2.GRANULARITY_HOUR,
+                 "day": cost_pb2.GRANULARITY_DAY, "month": cost_pb2.GRANULARITY_MONTH}
+IDLE = {"unused": cost_pb2.IDLE_POLICY_UNUSED, "pro-rata": cost_pb2.IDLE_POLICY_PRO_RATA,
+        "default": cost_pb2.IDLE_POLICY_UNSPECIFIED}
+
+
+def unix_s(text: str) -> float:
+    """ISO 8601 (a date alone is its midnight; no offset means UTC) → Unix seconds; "" → 0."""
+    if not text:
+        return 0.0
+    try:
+        moment = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError as error:
+        raise typer.BadParameter(f"not an ISO 8601 date or time: {text!r}") from error
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.timestamp()
+
+
+def _fail(error: grpc.RpcError) -> typer.Exit:
+    typer.echo(f"error: {error.code().name}: {error.details()}", err=True)
+    return typer.Exit(1)
+
+
+def _write(out: str | None, data: bytes) -> None:
+    if out:
+        write_atomic(out, [data])
+    else:
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+
+
+def export_to(stub: cost_pb2_grpc.CostServiceStub, request: cost_pb2.ExportBillingRequest,
+              out: str) -> cost_pb2.ExportSummary:
+    """Streams the export into `out` crash-safe; the file is replaced only if its SHA-256
+    matches the summary costd sent last, so an interrupted stream keeps the old file."""
+    digest, summary = hashlib.sha256(), cost_pb2.ExportSummary()
+
+    def chunks():
+        for message in stub.ExportBilling(request, timeout=600):
+            if message.HasField("summary"):
+                summary.CopyFrom(message.summary)
+            else:
+                digest.update(message.data)
+                yield message.data
+
+    def check() -> None:
+        if not summary.sha256:
+            raise RuntimeError("the export stream ended without its summary")
+        if summary.sha256 != digest.hexdigest():
+            raise RuntimeError("the export's SHA-256 does not match costd's")
+
+    write_atomic(out, chunks(), check)
+    return summary
+
+
+def _money(amount: str, currency: str) -> str:
+    return f"{amount} {currency}" if amount else "-"
+
+
+def print_invoices(response: cost_pb2.GetInvoiceResponse) -> None:
+    c = response.currency
+    for invoice in response.invoices:
+        typer.echo(f"tenant {invoice.tenant_id}: amount due {_money(invoice.amount_due, c)} "
+                   f"(total {invoice.total}; prompt {invoice.prompt_cost}, completion "
+                   f"{invoice.completion_cost}, idle share {invoice.idle_cost})")
+        typer.echo(f"  requests={invoice.requests} prompt_tokens={invoice.prompt_tokens} "
+                   f"cached={invoice.cached_prompt_tokens} "
+                   f"completion_tokens={invoice.completion_tokens}")
+        typer.echo(f"  per 1M tokens: prompt {_money(invoice.prompt_cost_per_million_tokens, c)}"
+                   f", completion {_money(invoice.completion_cost_per_million_tokens, c)}")
+        for line in invoice.lines:
+            kind = cost_pb2.TokenKind.Name(line.token_kind).removeprefix("TOKEN_KIND_").lower()
+            typer.echo(f"    {line.model or '-':<24} {line.request_class or '-':<12} "
+                       f"{line.device:<6} {kind:<10} tokens={line.tokens:<9} "
+                       f"device_s={line.device_ns / 1e9:<10.3f} cost={line.cost}")
+    if response.HasField("reconciliation"):
+        r = response.reconciliation
+        typer.echo(f"fleet: capacity {_money(r.capacity_due, c)} = tenants {r.tenants_due} "
+                   f"+ unused {r.unused_due}   (exact: {r.capacity_cost} = {r.tenants_cost} "
+                   f"+ {r.unused_cost})")
+        for d in r.devices:
+            typer.echo(f"  {d.device}: up {d.capacity_ns / 3.6e12:.6f} device-h, used "
+                       f"{d.attributed_ns / 3.6e12:.6f}, idle {d.idle_ns / 3.6e12:.6f}")
+    for warning in response.warnings:
+        typer.echo(f"warning: {warning}", err=True)
+
+
+def bill(tenant: str = typer.Option("", help="tenant id; empty: every tenant + the fleet"),
+         costd: str = typer.Option(DEFAULT_COSTD, help="costd address"),
+         start: str = typer.Option("", "--from", help="ISO 8601 start (inclusive); empty: the beginning"),
+         end: str = typer.Option("", "--to", help="ISO 8601 end (exclusive); empty: now"),
+         fmt: str = typer.Option("table", "--format", help=" | ".join(FORMATS)),
+         granularity: str = typer.Option("", help="charge periods: total | hour | day | month"),
+         idle: str = typer.Option("default", help="idle capacity: unused | pro-rata | default"),
+         out: str = typer.Option("", help="write to this file (crash-safe) instead of stdout")) -> None:
+    """A tenant's invoice, or every tenant's with the fleet's reconciliation; or an export."""
+    if fmt not in FORMATS or idle not in IDLE or (granularity and granularity not in GRANULARITIES):
+        raise typer.BadParameter("see --help for --format, --granularity and --idle values")
+    query = cost_pb2.BillingQuery(tenant_id=tenant, start_unix_s=unix_s(start),
+                                  end_unix_s=unix_s(end), idle_policy=IDLE[idle],
+                                  granularity=GRANULARITIES.get(granularity, 0))
+    with grpc.insecure_channel(costd) as channel:
+        stub = cost_pb2_grpc.CostServiceStub(channel)
+        try:
+            if fmt in EXPORTS:
+                _export(stub, query, fmt, out)
+                return
+            response = stub.GetInvoice(cost_pb2.GetInvoiceRequest(query=query), timeout=120)
+        except grpc.RpcError as error:
+            raise _fail(error)
+    if fmt == "json":
+        _write(out or None, json_format.MessageToJson(response).encode() + b"\n")
+    else:
+        print_invoices(response)
+
+
+def _export(stub, query: cost_pb2.BillingQuery, fmt: str, out: str) -> None:
+    schema, file_format = EXPORTS[fmt]
+    request = cost_pb2.ExportBillingRequest(query=query, schema=schema, format=file_format)
+    if out:
+        summary = export_to(stub, request, out)
+        typer.echo(f"wrote {out}: {summary.rows} rows, {summary.size_bytes} bytes, "
+                   f"sha256 {summary.sha256}", err=True)
+        return
+    if fmt == "parquet":
+        raise typer.BadParameter("Parquet is binary: give --out FILE")
+    for message in stub.ExportBilling(request, timeout=600):
+        if message.HasField("data"):
+            sys.stdout.buffer.write(message.data)
+    sys.stdout.flush()
+
+
+def profile_proto(path: str) -> cost_pb2.TrafficProfile:
+    """The profile file (JSON; format in costd/whatif/profile.py) as the proto."""
+    data = json.loads(Path(path).read_text())
+
+    def buckets(value) -> list[cost_pb2.LengthBucket]:
+        pairs = [(value, 1.0)] if isinstance(value, (int, float)) else value
+        return [cost_pb2.LengthBucket(tokens=int(t), weight=float(w)) for t, w in pairs]
+
+    return cost_pb2.TrafficProfile(
+        requests_per_s_by_hour=[float(r) for r in data["requests_per_s_by_hour"]],
+        prompt_tokens=buckets(data["prompt_tokens"]),
+        completion_tokens=buckets(data["completion_tokens"]),
+        prefix_hit_rate=float(data.get("prefix_hit_rate", 0.0)))
+
+
+def print_whatif(r: cost_pb2.WhatIfResponse) -> None:
+    c = r.currency
+    typer.echo(f"feasible: {'yes' if r.feasible else 'NO'}")
+    for reason in r.reasons:
+        typer.echo(f"  - {reason}")
+    typer.echo(f"cost per 1M tokens: {_money(r.cost_per_million_tokens, c)} (prompt "
+               f"{_money(r.prompt_cost_per_million_tokens, c)}, completion "
+               f"{_money(r.completion_cost_per_million_tokens, c)}); at full utilisation "
+               f"{_money(r.cost_per_million_tokens_at_full_utilisation, c)}")
+    typer.echo(f"devices needed (peak): {r.devices_needed}; device-hours: {r.device_hours:g}; "
+               f"utilisation: {r.utilisation:.1%}; cost: {_money(r.cost, c)}")
+    typer.echo(f"concurrency {r.concurrency}: {r.tokens_per_s_per_device:,.1f} tok/s per device; "
+               f"p95 latency ≈ {r.p95_latency_s:.2f} s; tokens: {r.tokens:,.0f} (curve {r.curve})")
+
+
+def _whatif_local(request: cost_pb2.WhatIfRequest) -> cost_pb2.WhatIfResponse:
+    done = subprocess.run([sys.executable, "-m", "costd.whatif"], capture_output=True,
+                          input=json_format.MessageToJson(request).encode(),
+                          cwd=Path(__file__).resolve().parents[1], env=os.environ.copy())
+    if done.returncode != 0:
+        typer.echo(done.stderr.decode().strip(), err=True)
+        raise typer.Exit(1)
+    return json_format.Parse(done.stdout, cost_pb2.WhatIfResponse())
+
+
+def whatif(profile: str = typer.Option(..., help="traffic profile JSON file"),
+           device: str = typer.Option(..., help="device: a100, h100, h200, cpu, or a device type"),
+           costd: str = typer.Option(DEFAULT_COSTD, help="costd address"),
+           local: bool = typer.Option(False, "--local", help="answer here, without costd"),
+           price_per_hour: str = typer.Option("", help="decimal $/hour; empty: the price book's"),
+           quantization: str = typer.Option("", help="pick the curve of this quantization"),
+           max_batch: int = typer.Option(0, help="largest batch per device; 0: the curve's"),
+           prompt_change_pct: float = typer.Option(0.0, help="prompt length change, % (-20: shorter)"),
+           max_devices: int = typer.Option(0, help="devices available; 0: no limit"),
+           target_utilisation: float = typer.Option(1.0, help="planned busy share, (0, 1]"),
+           autoscale: bool = typer.Option(False, help="devices follow each hour's demand"),
+           p95_slo_s: float = typer.Option(0.0, help="p95 latency target, s; 0: none"),
+           curve: str = typer.Option("", help="throughput curve JSON; empty: costd's curves"),
+           as_json: bool = typer.Option(False, "--json", help="print the answer as JSON")) -> None:
+    """What a traffic profile would cost on a device: $/1M tokens, devices, utilisation, p95."""
+    request = cost_pb2.WhatIfRequest(
+        profile=profile_proto(profile),
+        scenario=cost_pb2.Scenario(
+            device=device, price_per_hour=price_per_hour, quantization=quantization,
+            max_batch=max_batch, prompt_length_change_pct=prompt_change_pct,
+            max_devices=max_devices, target_utilisation=target_utilisation,
+            autoscale=autoscale, p95_latency_slo_s=p95_slo_s),
+        curve_json=Path(curve).read_text() if curve else "")
+    if local:
+        response = _whatif_local(request)
+    else:
+        with grpc.insecure_channel(costd) as channel:
+            try:
+                response = cost_pb2_grpc.CostServiceStub(channel).WhatIf(request, timeout=60)
+            except grpc.RpcError as error:
+                raise _fail(error)
+    if as_json:
+        typer.echo(json_format.MessageToJson(response))
+    else:
+        print_whatif(response)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bill")(bill)
+    app.command("whatif")(whatif)

@@ -1,0 +1,77 @@
+"""costd as a real subprocess for integration tests: start on a free port, wait, stop or kill."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from llmmesh.launcher import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = REPO / "tests" / "golden" / "costd"
+START_DEADLINE_S = 20.0
+
+
+@dataclass
+class Costd:
+    address: str
+    db: str
+    log_path: Path
+    proc: subprocess.Popen
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.address)
+
+
+def _serving(costd: Costd) -> bool:
+    with costd.channel() as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=0.2)
+            request = health_pb2.HealthCheckRequest(service="")
+            status = health_pb2_grpc.HealthStub(channel).Check(request, timeout=2).status
+            return status == health_pb2.HealthCheckResponse.SERVING
+        except (grpc.FutureTimeoutError, grpc.RpcError):
+            return False
+
+
+def start_costd(db: str, log_path: Path, *extra: str, address: str | None = None) -> Costd:
+    address = address or f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMMESH_")}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "costd", "--listen", address, "--db", db,
+                                 *extra], cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    costd = Costd(address, db, log_path, proc)
+    deadline = time.monotonic() + START_DEADLINE_S
+    while not _serving(costd):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(costd)
+            pytest.fail(f"costd did not start:\n{costd.log()}")
+        time.sleep(0.05)
+    return costd
+
+
+def stop(costd: Costd) -> None:
+    if costd.proc.poll() is None:
+        costd.proc.send_signal(signal.SIGTERM)
+        try:
+            costd.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            costd.proc.kill()
+            costd.proc.wait()
+
+
+def kill(costd: Costd) -> None:
+    costd.proc.send_signal(signal.SIGKILL)
+    costd.proc.wait(timeout=5)

@@ -1,0 +1,44 @@
+"""Capacity reports: one `llmmesh.capacity` span per interval of this worker's uptime.
+
+costd bills idle capacity as uptime minus the device time attributed to requests, so every
+second the worker is up must be in exactly one report: intervals are contiguous (each starts
+where the last ended), the last partial one is sent on shutdown, and each carries a unique
+interval id so a retried export is counted once.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from opentelemetry import trace
+
+SPAN_NAME = "llmmesh.capacity"
+
+
+def emit_interval(tracer: trace.Tracer, worker_id: str, device_type: str, start_ns: int,
+                  end_ns: int) -> None:
+    span = tracer.start_span(SPAN_NAME, start_time=start_ns, attributes={
+        "llmmesh.worker.id": worker_id, "llmmesh.device.type": device_type,
+        "llmmesh.capacity.final": True,
+        "llmmesh.capacity.interval.id": f"{worker_id}:{start_ns}"})
+    span.end(end_time=end_ns)
+
+
+async def report_capacity(tracer: trace.Tracer, worker_id: str, device_type: str,
+                          interval_s: float = 10.0) -> None:
+    """Runs until cancelled; cancelling it reports the final partial interval, then re-raises."""
+    if interval_s <= 0:
+        raise ValueError(f"interval_s must be > 0, got {interval_s}")
+    start_ns = time.time_ns()
+    # Sleep on the monotonic clock towards fixed deadlines, so intervals do not drift longer.
+    next_deadline = time.monotonic() + interval_s
+    try:
+        while True:
+            await asyncio.sleep(max(0.0, next_deadline - time.monotonic()))
+            next_deadline += interval_s
+            end_ns = time.time_ns()
+            emit_interval(tracer, worker_id, device_type, start_ns, end_ns)
+            start_ns = end_ns
+    except asyncio.CancelledError:
+        emit_interval(tracer, worker_id, device_type, start_ns, max(start_ns, time.time_ns()))
+        raise
