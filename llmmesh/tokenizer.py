@@ -113,8 +113,8 @@ def _build_backend(meta: dict[str, Any]) -> _BackendTokenizer:
                          "(only byte-level BPE, tokenizer.ggml.model=gpt2)")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
     token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    alphabet = set(_byte_alphabet().values())
     spelling = _byte_alphabet()
+    alphabet = set(spelling.values())
     # A token written outside the byte alphabet is stored as raw text; respell it as BPE sees it.
     vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode())): i
              for i, t in enumerate(tokens)}

@@ -110,7 +110,8 @@ def test_paged_path_matches_reference_path(ours, tokenizer):
     full = ids + generated[:-1]
     with torch.inference_mode():
         reference = ours.compute_logits(ours(torch.tensor(full), torch.arange(len(full))))
-    torch.testing.assert_close(paged_logits, reference[len(ids) - 1:], atol=1e-3, rtol=0)
+    # Measured 4e-5: the paged path only reorders fp32 sums (SDPA kernels, gathered keys).
+    torch.testing.assert_close(paged_logits, reference[len(ids) - 1:], atol=5e-4, rtol=0)
 
 
 def test_chat_answer_mentions_paris(ours, tokenizer):

@@ -35,8 +35,8 @@ STEPS = [
 ]
 
 
-def build_metadata(step: list[tuple[str, int, int]],
-                   tables: dict[str, list[int]]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+def build_metadata(step: list[tuple[str, int, int]], tables: dict[str, list[int]]
+                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     input_ids, positions, slots, starts, seq_lens, rows = [], [], [], [0], [], []
     for name, first, count in step:
         table = tables[name]

@@ -52,7 +52,8 @@ def test_ids_and_stop_tokens(tokenizer):
     assert tokenizer.eos_token_id == 2  # <|im_end|>: the instruct GGUF ends turns, not documents
     assert tokenizer.stop_token_ids[0] == 2
     assert set(tokenizer.stop_token_ids) == {2, 0}  # <|im_end|> and <|endoftext|>
-    assert tokenizer.encode("hi", add_special_tokens=True) == tokenizer.encode("hi")  # add_bos false
+    # The GGUF says add_bos_token=false, so asking for special tokens adds none.
+    assert tokenizer.encode("hi", add_special_tokens=True) == tokenizer.encode("hi")
 
 
 def test_digits_are_split_one_by_one(tokenizer):

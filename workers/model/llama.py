@@ -1,8 +1,8 @@
 """Llama-architecture decoder (SmolLM2, Llama 2/3 without rope scaling) over a paged KV cache.
 
 Weights use the Hugging Face layout (rotate-half RoPE); gguf_loader undoes llama.cpp's Q/K row
-permutation. Projections are fused (qkv, gate_up) because at decode batch sizes the CPU cost is
-per matmul call, not per FLOP.
+permutation. Projections are fused (qkv, gate_up): three matmuls per layer instead of five, which
+is fewer dispatches on CPU and fewer kernel launches on CUDA for the same bytes read.
 """
 from __future__ import annotations
 
@@ -35,18 +35,22 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding:
-    """cos/sin tables kept in fp32 (not a buffer, so a dtype cast of the model cannot round them)."""
+    """cos/sin tables in fp32, built on the model's device.
+
+    Not buffers, so casting the model to bf16 cannot round them; positions index them directly.
+    """
 
     def __init__(self, config: ModelConfig, device: torch.device | str):
         dim = config.head_dim
-        # Same expression as HF's default rope init, so fp32 tables match bit for bit.
+        # Same expression as HF's default rope init, so the fp32 tables agree with the reference.
         exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
         inv_freq = 1.0 / (config.rope_theta ** exponent)
         positions = torch.arange(config.max_position_embeddings, device=device).float()
         freqs = torch.outer(positions, inv_freq)
         self.cos, self.sin = freqs.cos(), freqs.sin()
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, positions: torch.Tensor,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, D/2] tables in the compute dtype, shared by every layer of one forward."""
         return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
 
@@ -116,7 +120,8 @@ class LlamaForCausalLM(nn.Module):
                  dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = config
-        self.embed_tokens = _param(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size,
+                                   device=device, dtype=dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, device, dtype)
                                     for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
