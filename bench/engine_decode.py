@@ -50,7 +50,7 @@ def main() -> None:
     args = p.parse_args()
     gguf = resolve_model().gguf_path
     print(f"model {os.path.basename(gguf)}, device {args.device}, threads {args.threads}, "
-          f"prompt {args.prompt_len}, {args.max_tokens} new tokens each")
+          f"prompt {args.prompt_len}, {args.max_tokens} new tokens each", flush=True)
     print("| dtype | concurrent seqs | decode tok/s (aggregate) | per-seq decode tok/s | prefill tok/s |")
     print("|---|---|---|---|---|")
     for dtype in args.dtypes:

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from llmmesh.errors import AlreadyExists, InvalidArgument
 from workers.engine import AsyncEngine, EngineConfig, EngineCore, Priority, SamplingParams
 from workers.model import ModelConfig, build_random_model
 
@@ -150,10 +151,12 @@ def test_logprobs_are_returned_when_asked(model, reference):
                                            ([1] * 512, "prompt_token_ids")])
 def test_bad_requests_are_refused_naming_the_field(model, prompt, field):
     core = EngineCore(engine_config(), model)
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(InvalidArgument, match=field):
         core.make_request("a", prompt, GREEDY)
-    with pytest.raises(ValueError, match="priority"):
+    with pytest.raises(InvalidArgument, match="priority"):
         core.make_request("a", [1], GREEDY, priority=7)
+    with pytest.raises(InvalidArgument, match="sampling.top_p"):
+        SamplingParams(top_p=0)
 
 
 async def collect(engine: AsyncEngine, request_id: str, prompt: list[int], **kwargs):
@@ -214,6 +217,8 @@ def test_abort_ends_the_stream_and_unknown_ids_are_refused(model):
             stream = engine.generate("a", [1, 2, 3], SamplingParams(max_tokens=400,
                                                                    temperature=0, ignore_eos=True))
             first = await anext(stream)
+            with pytest.raises(AlreadyExists):
+                await anext(engine.generate("a", [1], GREEDY))
             assert engine.abort("a") and not engine.abort("unknown")
             rest = [output async for output in stream]
             return first, rest

@@ -7,6 +7,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 
+from llmmesh.errors import AlreadyExists
 from workers.engine.config import CacheInfo, EngineConfig
 from workers.engine.engine_core import EngineCore
 from workers.engine.outputs import EngineLoad, RequestOutput
@@ -40,7 +41,6 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         # Loading weights and allocating the KV cache take seconds: keep them off the loop.
         self._core = await asyncio.to_thread(EngineCore, self.config, self._model)
-        self._model = None
         self._load = self._core.load()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="llmmesh-engine", daemon=True)
@@ -63,7 +63,7 @@ class AsyncEngine:
         iteration early (break, cancellation) aborts the request and frees its blocks."""
         core = self._started_core()
         if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already in flight")
+            raise AlreadyExists(f"request_id {request_id!r} is already in flight on this worker")
         request = core.make_request(request_id, prompt_token_ids, sampling,
                                     priority=priority, cache_salt=cache_salt)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from llmmesh.errors import InvalidArgument
+
 from workers.engine.config import CacheInfo, EngineConfig
 from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import EngineLoad, RequestOutput
@@ -33,19 +35,20 @@ class EngineCore:
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int],
                      sampling: SamplingParams, *, priority: int = Priority.INTERACTIVE,
                      cache_salt: str = "") -> Request:
-        """A validated request; raises ValueError naming the bad field. Touches no engine state,
-        so any thread may call it."""
+        """A validated request; raises InvalidArgument naming the bad field. Touches no engine
+        state, so any thread may call it."""
         if not request_id:
-            raise ValueError("request_id: must not be empty")
+            raise InvalidArgument("request_id", "must not be empty")
         if not prompt_token_ids:
-            raise ValueError("prompt_token_ids: must not be empty")
-        if len(prompt_token_ids) >= self.cache_info.max_model_len:
-            raise ValueError(f"prompt_token_ids: {len(prompt_token_ids)} tokens leave no room to "
-                             f"generate within the context of {self.cache_info.max_model_len}")
+            raise InvalidArgument("prompt_token_ids", "must not be empty")
+        max_len = self.cache_info.max_model_len
+        if len(prompt_token_ids) >= max_len:
+            raise InvalidArgument("prompt_token_ids", f"{len(prompt_token_ids)} tokens leave no "
+                                  f"room to generate within the context of {max_len}")
         if not all(0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt_token_ids: ids must be in [0, {self.vocab_size})")
+            raise InvalidArgument("prompt_token_ids", f"ids must be in [0, {self.vocab_size})")
         if priority not in Priority.__members__.values():
-            raise ValueError(f"priority: must be one of {[int(p) for p in Priority]}")
+            raise InvalidArgument("priority", f"must be one of {[int(p) for p in Priority]}")
         return Request(request_id, prompt_token_ids, sampling, block_size=self.config.block_size,
                        priority=Priority(priority), cache_salt=cache_salt)
 

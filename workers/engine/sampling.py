@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmmesh.errors import InvalidArgument
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -19,14 +21,15 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        # Field names as the proto spells them, so the edge can pass the error straight on.
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+            raise InvalidArgument("sampling.max_tokens", f"must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidArgument("sampling.temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+            raise InvalidArgument("sampling.top_k", f"must be >= 0, got {self.top_k}")
 
     @property
     def greedy(self) -> bool:
