@@ -41,6 +41,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=int(env("LLMMESH_MAX_NUM_SEQS", "32")))
     p.add_argument("--kv-cache-mib", type=int, default=int(env("LLMMESH_KV_CACHE_MIB", "512")))
     p.add_argument("--block-size", type=int, default=int(env("LLMMESH_BLOCK_SIZE", "16")))
+    p.add_argument("--batch-tokens-with-interactive", type=int,
+                   default=int(env("LLMMESH_BATCH_TOKENS_WITH_INTERACTIVE", "8")),
+                   help="batch-class tokens per step while interactive requests are present (0: no cap)")
     p.add_argument("--threads", type=int, default=int(env("LLMMESH_THREADS", "0")) or None)
     return p.parse_args()
 
@@ -83,7 +86,8 @@ async def main() -> None:
     spec = resolve_model(args.model)
     config = EngineConfig(gguf_path=spec.gguf_path, device=args.device, dtype=args.dtype,
                           block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
-                          max_num_seqs=args.max_num_seqs, num_threads=args.threads)
+                          max_num_seqs=args.max_num_seqs, num_threads=args.threads,
+                          batch_tokens_with_interactive=args.batch_tokens_with_interactive)
     engine = AsyncEngine(config)
     await engine.start()
     info = engine.cache_info

@@ -209,3 +209,33 @@ def test_prefix_hit_is_reported_in_usage_and_skips_computed_tokens():
     assert plan(out) == [("b", 2)]
     assert outputs[0].usage.cached_prompt_tokens == 8 and outputs[0].usage.prompt_tokens == 10
     assert scheduler.load().prefix_cache_hit_rate == 8 / 20
+
+
+def test_batch_work_shrinks_to_its_share_while_interactive_is_present():
+    config = EngineConfig(block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=64,
+                          batch_tokens_with_interactive=2)
+    scheduler = Scheduler(config, CacheInfo(64, BLOCK, 1, 128), frozenset({EOS}))
+    for i in range(4):
+        add(scheduler, f"b{i}", 3, priority=B, arrival=i, max_tokens=20)
+    step(scheduler)  # all four batch prompts prefill together: nobody interactive yet
+    out, _ = step(scheduler)
+    assert plan(out) == [("b0", 1), ("b1", 1), ("b2", 1), ("b3", 1)]
+    add(scheduler, "chat", 5, priority=I, arrival=10)
+    out, _ = step(scheduler)
+    # The user's prefill runs with at most 2 batch tokens beside it; b2, b3 wait one step.
+    assert plan(out) == [("b0", 1), ("b1", 1), ("chat", 5)]
+    out, _ = step(scheduler)
+    assert plan(out) == [("chat", 1), ("b0", 1), ("b1", 1)]
+    assert all(r.status == RequestStatus.RUNNING for r in scheduler.running)  # none preempted
+
+
+def test_batch_share_guard_off_runs_everything():
+    config = EngineConfig(block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=64,
+                          batch_tokens_with_interactive=0)
+    scheduler = Scheduler(config, CacheInfo(64, BLOCK, 1, 128), frozenset({EOS}))
+    for i in range(4):
+        add(scheduler, f"b{i}", 3, priority=B, arrival=i, max_tokens=20)
+    step(scheduler)
+    add(scheduler, "chat", 5, priority=I, arrival=10)
+    out, _ = step(scheduler)
+    assert sorted(plan(out)) == [("b0", 1), ("b1", 1), ("b2", 1), ("b3", 1), ("chat", 5)]

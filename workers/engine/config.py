@@ -24,6 +24,11 @@ class EngineConfig:
     # None: the model's own limit (further capped by what the KV pool can hold).
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # While any interactive request is running or waiting, batch-class work gets at most this
+    # many tokens per step, so a step (which cannot be interrupted) stays short and a user's
+    # first token is not stuck behind a wide batch step. 0 disables the guard. Batch still gets
+    # these tokens every step: slowed, never starved.
+    batch_tokens_with_interactive: int = 8
     # None leaves torch's default intra-op thread count alone.
     num_threads: int | None = None
 
@@ -37,6 +42,8 @@ class EngineConfig:
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.batch_tokens_with_interactive < 0:
+            raise ValueError("batch_tokens_with_interactive must be >= 0")
         for name in ("num_gpu_blocks", "max_model_len", "num_threads"):
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from workers.engine.config import CacheInfo, EngineConfig
 from workers.engine.kv_cache_manager import KVCacheManager
 from workers.engine.outputs import EngineLoad, ModelRunnerOutput, RequestOutput, RequestUsage
-from workers.engine.request import Request, RequestStatus
+from workers.engine.request import Priority, Request, RequestStatus
 
 MAX_LOAD_HASHES = 1024   # bounds the cache summary a load report carries to the router
 
@@ -30,20 +30,31 @@ class SchedulerOutput:
 
 
 class _StepBatch:
-    """The batch being built: token counts per request and what is left of the token budget."""
+    """The batch being built: token counts per request and what is left of the token budgets
+    (the step's, and batch-class work's own while interactive requests are present)."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, batch_budget: int) -> None:
         self.budget = budget
+        self.batch_budget = batch_budget
         self.num_tokens: dict[str, tuple[Request, int]] = {}
+
+    def room(self, request: Request) -> int:
+        if request.priority == Priority.BATCH:
+            return min(self.budget, self.batch_budget)
+        return self.budget
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.num_tokens[request.request_id] = (request, num_tokens)
         self.budget -= num_tokens
+        if request.priority == Priority.BATCH:
+            self.batch_budget -= num_tokens
 
     def discard(self, request: Request) -> None:
         entry = self.num_tokens.pop(request.request_id, None)
         if entry is not None:
             self.budget += entry[1]
+            if request.priority == Priority.BATCH:
+                self.batch_budget += entry[1]
 
 
 class Scheduler:
@@ -51,6 +62,7 @@ class Scheduler:
                  eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.batch_tokens_with_interactive = config.batch_tokens_with_interactive
         self.max_model_len = cache_info.max_model_len
         self.eos_token_ids = eos_token_ids
         self.kv = KVCacheManager(cache_info.num_blocks, cache_info.block_size,
@@ -71,8 +83,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    def _batch_budget(self) -> int:
+        guard = self.batch_tokens_with_interactive
+        interactive = any(r.priority == Priority.INTERACTIVE for r in self.running) or any(
+            r.priority == Priority.INTERACTIVE for r in self.waiting)
+        return guard if guard and interactive else self.max_num_batched_tokens
+
     def schedule(self) -> SchedulerOutput:
-        batch = _StepBatch(self.max_num_batched_tokens)
+        batch = _StepBatch(self.max_num_batched_tokens, self._batch_budget())
         preempted: list[Request] = []
         self._schedule_running(batch, preempted)
         # A step that had to preempt is short of blocks: admitting now would only thrash.
@@ -90,7 +108,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and batch.budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, batch.budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, batch.room(request))
+            if num_new <= 0:  # batch work past its share of this step: it waits one step
+                i += 1
+                continue
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -108,7 +129,9 @@ class Scheduler:
                     and not self._preempt_lower_priority(request, batch, preempted)):
                 return
             hits, num_cached = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_cached, batch.budget)
+            num_new = min(request.num_tokens - num_cached, batch.room(request))
+            if num_new <= 0:
+                return
             while self.kv.allocate_slots(request, num_new, hits) is None:
                 if not self._preempt_lower_priority(request, batch, preempted):
                     return   # strict order: nobody overtakes the head of the queue

@@ -1,0 +1,64 @@
+"""AVX2/FMA CPU kernels (int8/int4 GEMM, fused norm/RoPE/attention), compiled at first use.
+
+`cpu_kernels()` returns the extension module, or None when this CPU lacks AVX2/FMA/F16C or the
+build fails (a warning is logged once); callers then take the pure-torch path. The build takes
+~1 min on a 2-core host and is cached under ~/.cache/llmmesh/kernels (LLMMESH_KERNEL_CACHE
+overrides); `python -m workers.model.kernels` builds it ahead of time. LLMMESH_NO_KERNELS=1
+forces the torch path (tests of the fallback, A/B measurements).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+_SOURCES = ("qgemm.cpp", "fused_ops.cpp")
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG"]
+_REQUIRED_CPU_FLAGS = {"avx2", "fma", "f16c"}
+
+
+def _cpu_supported() -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return _REQUIRED_CPU_FLAGS <= set(line.split(":", 1)[1].split())
+    return False
+
+
+def _build_dir() -> Path:
+    default = Path.home() / ".cache" / "llmmesh" / "kernels"
+    path = Path(os.environ.get("LLMMESH_KERNEL_CACHE", default))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_kernels() -> ModuleType | None:
+    if os.environ.get("LLMMESH_NO_KERNELS") == "1":
+        return None
+    if not _cpu_supported():
+        log.warning("CPU lacks AVX2/FMA/F16C: quantized weights use the slow torch dequant path")
+        return None
+    here = Path(__file__).resolve().parent
+    try:
+        from torch.utils.cpp_extension import load
+        # The source hash is in the name, so an edited kernel never loads a stale build.
+        return load(name="llmmesh_cpu_kernels", sources=[str(here / s) for s in _SOURCES],
+                    extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                    build_directory=str(_build_dir()), verbose=False)
+    except Exception as exc:   # compiler missing, headers missing, ...: degrade, never crash
+        log.warning("CPU kernels failed to build (%s); falling back to torch dequant + matmul, "
+                    "which is several times slower", str(exc).splitlines()[0] if str(exc) else exc)
+        return None
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    print("CPU kernels:", "ready" if cpu_kernels() is not None else "unavailable")
