@@ -1,7 +1,7 @@
 # llmmesh: `make up` runs the whole mesh, `make test` runs the tests. Each sets itself up.
 PY := .venv/bin/python
 
-.PHONY: up test test-fast venv protos clean
+.PHONY: up test test-fast venv protos clean bench bench-smoke bench-scheduling
 
 venv:
 	@bash scripts/setup.sh
@@ -18,5 +18,18 @@ test-fast: venv
 protos: venv
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/llmmesh/v1/*.proto
 
+# Benchmarks (bench/results/<profile>.md, PNGs, bench/curves/): minutes per profile; run on a
+# quiet machine. BENCH_ARGS passes options to every run, e.g. BENCH_ARGS="--scale 4".
+BENCH_PROFILES ?= overhead chatbot summarisation diurnal mixed curve
+bench: venv
+	@for p in $(BENCH_PROFILES); do .venv/bin/llmmesh bench --profile $$p $(BENCH_ARGS) || exit 1; done
+
+bench-smoke: venv
+	$(PY) -m pytest -q -ra tests/unit/test_bench.py tests/integration/test_bench_smoke.py
+
 clean:
 	rm -rf .venv var .pytest_cache
+
+# Scheduling promises (priority under a batch flood, tenant fairness, placement): ~15 min.
+bench-scheduling: venv
+	$(PY) -m bench.scheduling $(BENCH_ARGS)
