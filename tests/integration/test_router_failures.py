@@ -1,0 +1,101 @@
+"""Router failure paths with real redis, costd, router and gateway processes and an in-test
+WorkerService that fails on purpose (no model needed): dead-lettering after 3 failed attempts,
+and an expired deadline that never reaches a worker."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+import redis
+
+from llmmesh import queue
+from llmmesh.launcher import Mesh
+from llmmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.e2e.meshkit import DEMO_KEYS, auth, chat, wait_until
+
+
+class FailingWorker(worker_pb2_grpc.WorkerServiceServicer):
+    """Registers like a worker, then fails every Generate with UNAVAILABLE."""
+
+    def __init__(self):
+        self.calls = 0
+        self.server = grpc.server(futures.ThreadPoolExecutor(4))
+        worker_pb2_grpc.add_WorkerServiceServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def register(self, redis_url: str, worker_id: str = "failing") -> None:
+        info = {"worker_id": worker_id, "address": f"127.0.0.1:{self.port}",
+                "model": "smollm2-135m-instruct", "max_inflight": 4, "device_type": "cpu"}
+        redis.Redis.from_url(redis_url).set(queue.worker_key(worker_id), json.dumps(info), ex=60)
+
+    def Generate(self, request, context):
+        self.calls += 1
+        context.abort(grpc.StatusCode.UNAVAILABLE, "injected failure")
+
+    def GetLoad(self, request, context):
+        return worker_pb2.GetLoadResponse(models=["smollm2-135m-instruct"], device_type="cpu")
+
+    def Abort(self, request, context):
+        return worker_pb2.AbortResponse(aborted=False)
+
+
+@pytest.fixture
+def mesh(tmp_path):
+    m = Mesh(var_dir=str(tmp_path))
+    try:
+        asyncio.run(m.up(num_workers=0, timeout_s=60))
+        yield m
+    finally:
+        m.down()
+
+
+@pytest.fixture
+def failing():
+    worker = FailingWorker()
+    yield worker
+    worker.server.stop(0)
+
+
+def _stub(mesh):
+    return gateway_pb2_grpc.GatewayServiceStub(grpc.insecure_channel(mesh.procs["gateway"].address))
+
+
+def _pending(mesh) -> int:
+    r = redis.Redis.from_url(mesh.redis_url)
+    return sum(r.xpending(queue.queue_stream(c), queue.ROUTER_GROUP)["pending"] for c in queue.CLASSES)
+
+
+def test_request_failing_on_3_workers_is_dead_lettered_and_the_client_told(mesh, failing):
+    failing.register(mesh.redis_url)
+    with pytest.raises(grpc.RpcError) as info:
+        _stub(mesh).Complete(gateway_pb2.CompleteRequest(request=chat("Hello?", 4)),
+                             metadata=auth(DEMO_KEYS["acme"]), timeout=60)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "3 workers" in info.value.details()
+    assert failing.calls == 3
+    dead = redis.Redis.from_url(mesh.redis_url).xrange(queue.DEAD_LETTER_STREAM)
+    assert len(dead) == 1
+    assert queue.QueueEntry.decode({k.decode(): v for k, v in dead[0][1].items()}).tenant_id == "acme"
+    wait_until(lambda: _pending(mesh) == 0, 10, what="the entry to be acknowledged")
+
+
+def test_expired_deadline_never_reaches_a_worker(mesh, failing):
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:  # no worker yet: the request waits in the router
+        _stub(mesh).Complete(gateway_pb2.CompleteRequest(request=chat("Hello?", 4)),
+                             metadata=auth(DEMO_KEYS["acme"]), timeout=1.5)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started < 5
+    failing.register(mesh.redis_url)  # now a worker appears; the stale entry must not run
+    wait_until(lambda: _pending(mesh) == 0, 15, what="the expired entry to be acknowledged")
+    assert failing.calls == 0
+    events = redis.Redis.from_url(mesh.redis_url, decode_responses=True).keys(queue.result_stream("*"))
+    codes = [queue.decode_event(f)["code"] for k in events
+             for _, f in redis.Redis.from_url(mesh.redis_url, decode_responses=True).xrange(k)
+             if queue.decode_event(f)["kind"] == "error"]
+    assert codes == ["DEADLINE_EXCEEDED"]
