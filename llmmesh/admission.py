@@ -26,20 +26,22 @@ local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
 local max_conc, budget = tonumber(ARGV[3]), tonumber(ARGV[4])
 local need, lease = tonumber(ARGV[5]), tonumber(ARGV[7])
 
-local function bucket(key, per_minute, cost)
+local function bucket(key, per_minute, cost, capacity)
   if per_minute <= 0 then return true, 0, nil end
   local rate = per_minute / 60.0
   local s = redis.call('HMGET', key, 'tokens', 'ts')
-  local tokens = tonumber(s[1]) or per_minute
+  local tokens = tonumber(s[1]) or capacity
   local ts = tonumber(s[2]) or now
-  tokens = math.min(per_minute, tokens + (now - ts) * rate)
+  tokens = math.min(capacity, tokens + (now - ts) * rate)
   if tokens >= cost then return true, 0, tokens - cost end
   return false, math.ceil((cost - tokens) / rate * 1000), nil
 end
 
-local ok, wait, req_left = bucket(KEYS[1], rpm, 1)
+-- Requests may burst 10 seconds' worth (a minute's worth at once would let one tenant flood
+-- the fleet for a moment); tokens keep a minute's worth so one large request always fits.
+local ok, wait, req_left = bucket(KEYS[1], rpm, 1, math.max(1, math.ceil(rpm / 6)))
 if not ok then return {1, wait} end
-local ok2, wait2, tok_left = bucket(KEYS[2], tpm, need)
+local ok2, wait2, tok_left = bucket(KEYS[2], tpm, need, tpm)
 if not ok2 then return {2, wait2} end
 if max_conc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)

@@ -59,9 +59,10 @@ class ClassPolicy:
     # Batch gets at least this share of dispatches whenever it has work waiting.
     batch_min_share: float = 0.2
     # Batch may fill at most this share of the fleet's router-side slots, so an interactive
-    # arrival always finds room. Workers advertise twice their running-batch size as slots,
-    # so 0.75 still keeps every worker's batch full of batch work when nobody is waiting.
-    batch_max_slot_share: float = 0.75
+    # arrival always finds room. Workers advertise their running-batch size plus a quarter as
+    # slots, so 0.8 still keeps every worker's running batch full of batch work, while the
+    # rest of the queue stays in the router, where tenants are shared fairly.
+    batch_max_slot_share: float = 0.8
     window: int = 100
 
     def __post_init__(self):

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Weight storage (workers.model.quantize): "auto" picks per device, "none" means `dtype`.
+QUANTIZATIONS = ("auto", "none", "fp32", "bf16", "int8", "int4")
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 
 
@@ -14,6 +16,7 @@ class EngineConfig:
     gguf_path: str = ""
     device: str = "cpu"
     dtype: str = "float32"
+    quantization: str = "auto"
     block_size: int = 16
     # Memory budget for the KV cache; num_gpu_blocks, when set, overrides it (tests, benches).
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
@@ -29,12 +32,19 @@ class EngineConfig:
     # first token is not stuck behind a wide batch step. 0 disables the guard. Batch still gets
     # these tokens every step: slowed, never starved.
     batch_tokens_with_interactive: int = 8
+    # Batch-class tokens per step at any time. A step cannot be interrupted, so a wide batch
+    # prefill chunk started just before a user's request arrives is what that user waits for;
+    # 64 tokens keep such a step short on CPU at a small cost in batch prefill efficiency.
+    max_batch_tokens_per_step: int = 64
     # None leaves torch's default intra-op thread count alone.
     num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
         try:
             torch.device(self.device)
         except RuntimeError as exc:
@@ -42,6 +52,8 @@ class EngineConfig:
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_batch_tokens_per_step <= 0:
+            raise ValueError("max_batch_tokens_per_step must be positive")
         if self.batch_tokens_with_interactive < 0:
             raise ValueError("batch_tokens_with_interactive must be >= 0")
         for name in ("num_gpu_blocks", "max_model_len", "num_threads"):

@@ -63,6 +63,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.batch_tokens_with_interactive = config.batch_tokens_with_interactive
+        self.max_batch_tokens_per_step = config.max_batch_tokens_per_step
         self.max_model_len = cache_info.max_model_len
         self.eos_token_ids = eos_token_ids
         self.kv = KVCacheManager(cache_info.num_blocks, cache_info.block_size,
@@ -87,7 +88,7 @@ class Scheduler:
         guard = self.batch_tokens_with_interactive
         interactive = any(r.priority == Priority.INTERACTIVE for r in self.running) or any(
             r.priority == Priority.INTERACTIVE for r in self.waiting)
-        return guard if guard and interactive else self.max_num_batched_tokens
+        return guard if guard and interactive else self.max_batch_tokens_per_step
 
     def schedule(self) -> SchedulerOutput:
         batch = _StepBatch(self.max_num_batched_tokens, self._batch_budget())
