@@ -114,18 +114,21 @@ def over_day(results: dict, path: Path) -> Path | None:
     hour_s = p["duration_s"] / 24
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     for target, level in ran.items():
-        price_s = level["cost"]["price_per_hour"] / 3600
-        hours = _hourly(level, hour_s)
-        style = {"color": COLORS.get(target), "marker": ".", "label": target}
-        axes[0].plot(range(24), [len(h) / hour_s for h in hours], **style)
-        axes[1].plot(range(24), [_p95([r[_TTFT] for r in h if r[_TTFT]]) for h in hours], **style)
-        tokens = [sum(r[_COMPLETION] + r[_PROMPT] for r in h) for h in hours]
-        axes[2].plot(range(24), [hour_s * price_s / t * 1e6 if t else float("nan")
-                                 for t in tokens], **style)
-    factor = next(iter(ran.values()))["factor"]
-    offered = [sum(st["rate_rps"] * (st["hourly"][h] if st["hourly"] else 1.0) * p["scale"] * factor
-                   for st in p["streams"]) for h in range(24)]
+        ttft = [_p95([r[_TTFT] for r in h if r[_TTFT]]) for h in _hourly(level, hour_s)]
+        axes[1].plot(range(24), ttft, color=COLORS.get(target), marker=".", label=target)
+    # Every target got the same requests: arrivals, and the cost per token of a machine that
+    # is there all day (by hour of arrival), are one line each — the traffic's shape.
+    level = next(iter(ran.values()))
+    hours = _hourly(level, hour_s)
+    offered = [sum(st["rate_rps"] * (st["hourly"][h] if st["hourly"] else 1.0)
+                   for st in p["streams"]) * p["scale"] * level["factor"] for h in range(24)]
     axes[0].plot(range(24), offered, color="grey", linestyle="--", label="offered (profile)")
+    axes[0].plot(range(24), [len(h) / hour_s for h in hours], color="black", marker=".",
+                 label="drawn (every target)")
+    tokens = [sum(r[_COMPLETION] + r[_PROMPT] for r in h) for h in hours]
+    price_s = level["cost"]["price_per_hour"] / 3600
+    axes[2].plot(range(24), [hour_s * price_s / t * 1e6 if t else float("nan") for t in tokens],
+                 color="black", marker=".", label="one machine all day")
     labels = ("arrivals (requests/s)", "p95 time to first token (s)", "$ per 1M tokens (wall)")
     for ax, label in zip(axes, labels):
         ax.set_xlabel(f"hour of the compressed day ({hour_s:g} s each)")
