@@ -1,7 +1,7 @@
 # llmmesh: `make up` runs the whole mesh, `make test` runs the tests. Each sets itself up.
 PY := .venv/bin/python
 
-.PHONY: up test test-fast venv protos clean bench bench-smoke bench-scheduling
+.PHONY: up test test-fast venv protos clean bench bench-smoke bench-engine bench-scheduling
 
 venv:
 	@bash scripts/setup.sh
@@ -23,6 +23,11 @@ protos: venv
 BENCH_PROFILES ?= overhead chatbot summarisation diurnal mixed curve
 bench: venv
 	@for p in $(BENCH_PROFILES); do .venv/bin/llmmesh bench --profile $$p $(BENCH_ARGS) || exit 1; done
+
+# Our engine per weight mode vs llama.cpp vs HF transformers (same run, same threads): ~15 min;
+# writes bench/results/engine.md + .png. BENCH_ENGINE_ARGS="--quick" for a ~2 min smoke run.
+bench-engine: venv
+	$(PY) -m bench.engine $(BENCH_ENGINE_ARGS)
 
 bench-smoke: venv
 	$(PY) -m pytest -q -ra tests/unit/test_bench.py tests/integration/test_bench_smoke.py

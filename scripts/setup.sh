@@ -22,6 +22,10 @@ if [ ! -f "$STAMP" ] || [ -n "$(find $REQS -newer "$STAMP" 2>/dev/null)" ]; then
   touch "$STAMP"
 fi
 
+# The AVX2 kernels compile once (~1 min) into ~/.cache/llmmesh/kernels; doing it here keeps that
+# minute out of the first worker start. Best effort: without them the model runs the torch path.
+.venv/bin/python -m workers.model.kernels >/dev/null 2>&1 || echo "[setup] CPU kernels not built (torch fallback)"
+
 if ! command -v redis-server >/dev/null 2>&1 && [ -z "${REDIS_URL:-}" ]; then
   if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
     echo "[setup] installing redis-server with apt-get"

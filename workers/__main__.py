@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -18,7 +19,8 @@ from llmmesh.tokenizer import Tokenizer
 from llmmesh.v1 import worker_pb2, worker_pb2_grpc
 from workers.capacity import report_capacity
 from workers.engine.async_engine import AsyncEngine
-from workers.engine.config import EngineConfig
+from workers.engine.config import QUANTIZATIONS, EngineConfig
+from workers.model.quantize import resolve_quantization
 from workers.servicer import WorkerServicer
 
 log = logging.getLogger("workers")
@@ -37,7 +39,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--model", default=env("LLMMESH_MODEL", DEFAULT_MODEL))
     p.add_argument("--device", default=env("LLMMESH_DEVICE", "cpu"))
     p.add_argument("--dtype", default=env("LLMMESH_DTYPE", "float32"))
-    p.add_argument("--quantization", default=env("LLMMESH_QUANTIZATION", "none"))
+    p.add_argument("--quantization", default=env("LLMMESH_QUANTIZATION", "auto"),
+                   choices=QUANTIZATIONS, help="weight storage; auto: int4 on CPU, bf16 on CUDA")
     p.add_argument("--max-num-seqs", type=int, default=int(env("LLMMESH_MAX_NUM_SEQS", "32")))
     p.add_argument("--kv-cache-mib", type=int, default=int(env("LLMMESH_KV_CACHE_MIB", "512")))
     p.add_argument("--block-size", type=int, default=int(env("LLMMESH_BLOCK_SIZE", "16")))
@@ -85,9 +88,13 @@ async def main() -> None:
     tracer = telemetry.setup_tracing("llmmesh-worker", args.otlp_endpoint)
     spec = resolve_model(args.model)
     config = EngineConfig(gguf_path=spec.gguf_path, device=args.device, dtype=args.dtype,
+                          quantization=args.quantization,
                           block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
                           max_num_seqs=args.max_num_seqs, num_threads=args.threads,
                           batch_tokens_with_interactive=args.batch_tokens_with_interactive)
+    # Resolved here so the lease, spans and GetLoad report the mode actually loaded.
+    quantization = resolve_quantization(config.quantization, config.device, config.torch_dtype)
+    config = dataclasses.replace(config, quantization=quantization)
     engine = AsyncEngine(config)
     await engine.start()
     info = engine.cache_info
@@ -97,13 +104,13 @@ async def main() -> None:
     # Uptime reports from here on: costd bills idle capacity as uptime minus attributed time.
     capacity = asyncio.create_task(report_capacity(tracer, args.worker_id, device_type))
     servicer = WorkerServicer(engine, Tokenizer.from_gguf(spec.gguf_path), spec.name, args.worker_id,
-                              device_type, args.quantization, tracer)
+                              device_type, quantization, tracer)
     redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True, socket_connect_timeout=2.0)
     lease_task: list[asyncio.Task] = []
 
     def ready(address: str) -> None:
         lease = {"worker_id": args.worker_id, "address": args.advertise or address, "model": spec.name,
-                 "max_inflight": 2 * args.max_num_seqs, "device_type": device_type}
+                 "max_inflight": args.max_num_seqs + max(2, args.max_num_seqs // 4), "device_type": device_type}
         lease_task.append(asyncio.create_task(keep_lease(redis, args.worker_id, lease)))
         lease_task.append(asyncio.create_task(publish_cache_index(redis, args.worker_id, engine)))
 

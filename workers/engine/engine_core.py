@@ -24,7 +24,7 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         if model is None:
             model, _ = load_model(config.gguf_path, device=config.device,
-                                  dtype=config.torch_dtype)
+                                  dtype=config.torch_dtype, quantization=config.quantization)
         self.config = config
         self.vocab_size = model.config.vocab_size
         self.runner = ModelRunner(model, config)

@@ -59,6 +59,12 @@ class AttentionPlan:
     decode_block_tables: torch.Tensor | None  # [Bd, blocks needed by the longest of them]
     decode_mask: torch.Tensor | None        # [Bd, 1, 1, keys] bool, True = attend
     prefills: tuple[PrefillSpan, ...]
+    # The fused CPU op's view, every token alike: the block-table row of its sequence and its
+    # causal context length (a decode token: the whole sequence).
+    block_tables: torch.Tensor              # [B, max_blocks_per_seq]
+    token_rows: torch.Tensor                # [T] arange
+    token_table_rows: torch.Tensor          # [T]
+    token_lens: torch.Tensor                # [T]
 
 
 def prepare_attention(meta: AttentionMetadata, block_size: int) -> AttentionPlan:
@@ -83,7 +89,22 @@ def prepare_attention(meta: AttentionMetadata, block_size: int) -> AttentionPlan
             decode_idx = meta.query_start_loc[rows]
         keys = torch.arange(num_blocks * block_size, device=lens.device)
         decode_mask = (keys[None, :] < lens[:, None])[:, None, None, :]
-    return AttentionPlan(meta.slot_mapping, decode_idx, decode_tables, decode_mask, prefills)
+    return AttentionPlan(meta.slot_mapping, decode_idx, decode_tables, decode_mask, prefills,
+                         meta.block_tables, *_token_view(meta, query_lens))
+
+
+def _token_view(meta: AttentionMetadata, query_lens: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    device = meta.seq_lens.device
+    num_tokens = sum(query_lens)
+    rows = torch.arange(num_tokens, device=device)
+    if num_tokens == len(query_lens):       # pure decode
+        return rows, rows, meta.seq_lens
+    seq_ids = torch.repeat_interleave(torch.arange(len(query_lens), device=device),
+                                      torch.tensor(query_lens, device=device))
+    # Token t of sequence b sees everything up to itself: seq_len minus the tokens after it.
+    last = meta.query_start_loc[1:][seq_ids] - 1
+    return rows, seq_ids, meta.seq_lens[seq_ids] - (last - rows)
 
 
 def _prefill_span(meta: AttentionMetadata, b: int, start: int, end: int, seq_len: int,
@@ -132,6 +153,22 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     for span in plan.prefills:
         out[span.token_start:span.token_end] = _prefill_attention(
             query, key, value, kv_cache, span)
+    return out
+
+
+def fused_paged_attention(ext, qkv: torch.Tensor, kv_cache: torch.Tensor, plan: AttentionPlan,
+                          num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """The CPU kernels' path: qkv [T, (H + 2 KVH) * D] already rotated and written to the cache.
+
+    Decode and prompt tokens alike in one C++ call that reads K/V in place through the block
+    tables: no gather copy, no mask tensor, and no SDPA math fallback (torch's CPU flash kernel
+    takes neither GQA nor a mask, so prompt chunks with earlier context ran ~10x slower).
+    Returns [T, H * D].
+    """
+    head_dim = kv_cache.shape[-1]
+    out = qkv.new_empty(qkv.shape[0], num_heads * head_dim)
+    ext.paged_attention(qkv, plan.token_rows, plan.token_table_rows, plan.token_lens, kv_cache,
+                        plan.block_tables, out, num_heads, num_kv_heads, head_dim ** -0.5)
     return out
 
 

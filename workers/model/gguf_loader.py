@@ -91,16 +91,16 @@ def weight_sources(config: ModelConfig) -> dict[str, list[tuple[str, int | None]
         "embed_tokens": [("token_embd.weight", None)],
         "norm.weight": [("output_norm.weight", None)]}
     if not config.tie_word_embeddings:
-        sources["lm_head"] = [("output.weight", None)]
+        sources["lm_head.weight"] = [("output.weight", None)]
     for i in range(config.num_layers):
         src, dst = f"blk.{i}.", f"layers.{i}."
-        sources[dst + "self_attn.qkv_proj"] = [(src + "attn_q.weight", config.num_heads),
+        sources[dst + "self_attn.qkv_proj.weight"] = [(src + "attn_q.weight", config.num_heads),
                                                (src + "attn_k.weight", config.num_kv_heads),
                                                (src + "attn_v.weight", None)]
-        sources[dst + "self_attn.o_proj"] = [(src + "attn_output.weight", None)]
-        sources[dst + "mlp.gate_up_proj"] = [(src + "ffn_gate.weight", None),
+        sources[dst + "self_attn.o_proj.weight"] = [(src + "attn_output.weight", None)]
+        sources[dst + "mlp.gate_up_proj.weight"] = [(src + "ffn_gate.weight", None),
                                              (src + "ffn_up.weight", None)]
-        sources[dst + "mlp.down_proj"] = [(src + "ffn_down.weight", None)]
+        sources[dst + "mlp.down_proj.weight"] = [(src + "ffn_down.weight", None)]
         sources[dst + "input_layernorm.weight"] = [(src + "attn_norm.weight", None)]
         sources[dst + "post_attention_layernorm.weight"] = [(src + "ffn_norm.weight", None)]
     return sources

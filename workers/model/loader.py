@@ -9,16 +9,31 @@ import torch
 from workers.model.config import ModelConfig
 from workers.model.gguf_loader import config_from_gguf, load_llama_weights, read_gguf
 from workers.model.llama import LlamaForCausalLM
+from workers.model.quantize import quantize_model, resolve_quantization
 
 
 def load_model(gguf_path: str, *, device: torch.device | str = "cpu",
-               dtype: torch.dtype = torch.float32) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Dequantize every GGUF tensor and return the model in eval mode on `device` in `dtype`."""
+               dtype: torch.dtype = torch.float32,
+               quantization: str | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Dequantize every GGUF tensor and return the model in eval mode on `device`.
+
+    `dtype` is the activations' (and norms', embeddings') dtype; `quantization` how projection
+    weights are stored: fp32 | bf16 | int8 | int4, "auto" for the device's default, None for
+    `dtype` itself (a plain dequantized model).
+    """
+    mode = resolve_quantization(quantization, device, dtype)
     gguf = read_gguf(gguf_path)
     config = config_from_gguf(gguf)
-    model = LlamaForCausalLM(config, device=device, dtype=dtype)
+    dense = mode in ("fp32", "bf16") and dtype == (torch.float32 if mode == "fp32"
+                                                   else torch.bfloat16)
+    # Quantized modes dequantize on the CPU in fp32 first: one full-precision pass, then each
+    # projection is requantized from it and the fp32 copy freed.
+    build_device, build_dtype = (device, dtype) if dense else ("cpu", torch.float32)
+    model = LlamaForCausalLM(config, device=build_device, dtype=build_dtype)
     with _single_cpu_thread():
         load_llama_weights(gguf, model)
+        if not dense:
+            quantize_model(model, mode, device=device, dtype=dtype)
     return model.eval(), config
 
 

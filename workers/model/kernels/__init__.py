@@ -11,12 +11,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
 from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("qgemm.cpp", "fused_ops.cpp")
+_SOURCES = ("module.cpp", "qgemm.cpp", "fused_ops.cpp", "decoder_stack.cpp")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG"]
 _REQUIRED_CPU_FLAGS = {"avx2", "fma", "f16c"}
 
@@ -30,6 +31,18 @@ def _cpu_supported() -> bool:
         if line.startswith("flags"):
             return _REQUIRED_CPU_FLAGS <= set(line.split(":", 1)[1].split())
     return False
+
+
+def _ensure_ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the pinned PyPI ninja lives in the venv's bin,
+    which is not on PATH when the venv's python is called directly."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
 
 
 def _build_dir() -> Path:
@@ -47,6 +60,7 @@ def cpu_kernels() -> ModuleType | None:
         log.warning("CPU lacks AVX2/FMA/F16C: quantized weights use the slow torch dequant path")
         return None
     here = Path(__file__).resolve().parent
+    _ensure_ninja_on_path()
     try:
         from torch.utils.cpp_extension import load
         # The source hash is in the name, so an edited kernel never loads a stale build.

@@ -2,20 +2,24 @@
 // (~5-10 us apiece, x30 layers) dominates a batch-1 decode step on a 2-core CPU.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
+#include "kernels.h"
 #include "vec_math.h"
 
+namespace llmk {
 namespace {
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.stride(1) == 1, name,
               ": expected fp32 [rows, cols] with contiguous rows");
 }
+
+}  // namespace
 
 // out = w * x * rsqrt(mean(x^2) + eps), row by row (HF LlamaRMSNorm in fp32).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -85,18 +89,24 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor
   });
 }
 
-// softmax(q K^T * scale) V for the `group` query heads sharing one KV head of one sequence.
-void attend_one(const float* q, int64_t group, int64_t d, const float* keys, const float* values,
-                const int64_t* table, int64_t seq_len, int64_t block_size, int64_t token_stride,
-                float scale, std::vector<float>& scores, float* out) {
-  scores.resize(group * seq_len);
-  for (int64_t j = 0; j < seq_len; ++j) {
-    const int64_t slot = table[j / block_size] * block_size + j % block_size;
-    for (int64_t g = 0; g < group; ++g)
-      scores[g * seq_len + j] = vm::dot(q + g * d, keys + slot * token_stride, d) * scale;
+// softmax(q K^T * scale) V for query heads [h0, h1) of one sequence (query head h reads KV head
+// h / group). Keys are walked token by token with every head's row of a token together, so one
+// sequence streams its cache rows contiguously instead of one head's 256-byte slice per pass.
+static void attend_heads(const float* q, float* out, int64_t h0, int64_t h1, int64_t group, int64_t d,
+                  const float* keys, const float* values, const int64_t* table, int64_t seq_len,
+                  int64_t block_size, int64_t token_stride, float scale, std::vector<float>& p) {
+  const int64_t heads = h1 - h0;
+  p.resize(heads * seq_len);
+  // Block by block: no integer division per key (it cost as much as a head's dot product).
+  for (int64_t start = 0; start < seq_len; start += block_size) {
+    const float* k = keys + table[start / block_size] * block_size * token_stride;
+    const int64_t stop = std::min(seq_len, start + block_size);
+    for (int64_t j = start; j < stop; ++j, k += token_stride)
+      for (int64_t h = h0; h < h1; ++h)
+        p[(h - h0) * seq_len + j] = vm::dot(q + h * d, k + (h / group) * d, d) * scale;
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores.data() + g * seq_len;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = p.data() + h * seq_len;
     const float mx = *std::max_element(s, s + seq_len);
     __m256 sum = _mm256_setzero_ps();
     int64_t j = 0;
@@ -109,47 +119,59 @@ void attend_one(const float* q, int64_t group, int64_t d, const float* keys, con
     for (; j < seq_len; ++j) total += (s[j] = std::exp(s[j] - mx));
     const float inv = 1.0f / total;
     for (j = 0; j < seq_len; ++j) s[j] *= inv;
-    std::fill(out + g * d, out + (g + 1) * d, 0.0f);
+    std::fill(out + (h0 + h) * d, out + (h0 + h + 1) * d, 0.0f);
   }
-  for (int64_t j = 0; j < seq_len; ++j) {
-    const int64_t slot = table[j / block_size] * block_size + j % block_size;
-    for (int64_t g = 0; g < group; ++g)
-      vm::axpy(scores[g * seq_len + j], values + slot * token_stride, out + g * d, d);
+  for (int64_t start = 0; start < seq_len; start += block_size) {
+    const float* v = values + table[start / block_size] * block_size * token_stride;
+    const int64_t stop = std::min(seq_len, start + block_size);
+    for (int64_t j = start; j < stop; ++j, v += token_stride)
+      for (int64_t h = h0; h < h1; ++h)
+        vm::axpy(p[(h - h0) * seq_len + j], v + (h / group) * d, out + h * d, d);
   }
 }
 
-// One new token per sequence: out[rows[b]] = attention of qkv[rows[b]]'s query heads over the
-// first seq_lens[b] cached tokens, read through block_tables. Parallel over (sequence, KV head).
-void paged_decode_attention(const at::Tensor& qkv, const at::Tensor& rows, const at::Tensor& kv_cache,
-                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            at::Tensor out, int64_t num_heads, int64_t num_kv_heads, double scale) {
+// Attention for any mix of decode and prompt tokens, all read from the paged cache: query row
+// rows[i] attends to the first seq_lens[i] tokens of block-table row table_rows[i] (a prompt
+// token's own causal length). Rows are dealt out zig-zag (first, last, second, ...), so the
+// contiguous halves that two threads get carry equal work when lengths grow along a prompt; a
+// batch smaller than the thread count is also split by KV head.
+void paged_attention(const at::Tensor& qkv, const at::Tensor& rows, const at::Tensor& table_rows,
+                     const at::Tensor& seq_lens, const at::Tensor& kv_cache,
+                     const at::Tensor& block_tables, at::Tensor out, int64_t num_heads,
+                     int64_t num_kv_heads, double scale) {
   check_rows(qkv, "qkv");
   check_rows(out, "out");
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kFloat, "kv_cache: fp32");
   TORCH_CHECK(block_tables.stride(1) == 1, "block_tables rows must be contiguous");
-  const int64_t batch = seq_lens.size(0), block_size = kv_cache.size(2), d = kv_cache.size(4);
+  const int64_t count = seq_lens.size(0), block_size = kv_cache.size(2), d = kv_cache.size(4);
   const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * d;
+  const int64_t splits = count < at::get_num_threads() ? num_kv_heads : 1;
   const float* keys = kv_cache.data_ptr<float>();
   const float* values = keys + kv_cache.numel() / 2;
   const int64_t *row_idx = rows.data_ptr<int64_t>(), *lens = seq_lens.data_ptr<int64_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+  const int64_t *table_idx = table_rows.data_ptr<int64_t>(), *tables = block_tables.data_ptr<int64_t>();
+  const float* qbase = qkv.data_ptr<float>();
+  float* obase = out.data_ptr<float>();
+  int64_t total_keys = 0;
+  for (int64_t i = 0; i < count; ++i) total_keys += lens[i];
+  auto body = [&](int64_t begin, int64_t end) {
+    std::vector<float> p;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / num_kv_heads, h = task % num_kv_heads, r = row_idx[b];
-      attend_one(qkv.data_ptr<float>() + r * qkv.stride(0) + h * group * d, group, d,
-                 keys + h * d, values + h * d, tables + b * block_tables.stride(0), lens[b],
-                 block_size, token_stride, static_cast<float>(scale), scores,
-                 out.data_ptr<float>() + r * out.stride(0) + h * group * d);
+      const int64_t slot = task / splits, part = task % splits;
+      const int64_t i = slot % 2 == 0 ? slot / 2 : count - 1 - slot / 2;
+      const int64_t r = row_idx[i];
+      const int64_t h0 = part * num_heads / splits, h1 = (part + 1) * num_heads / splits;
+      attend_heads(qbase + r * qkv.stride(0), obase + r * out.stride(0), h0, h1, group, d, keys,
+                   values, tables + table_idx[i] * block_tables.stride(0), lens[i], block_size,
+                   token_stride, static_cast<float>(scale), p);
     }
-  });
+  };
+  // One thread streams the fp32 cache at ~5 GB/s on a loaded host (K and V: 8 bytes per key
+  // element); fork only when that takes well over the ~15-20 us a fork costs (see qgemm.cpp).
+  // At batch 1 this is ~160 tokens of context, past which attention is a third of the step.
+  const double solo_us = total_keys * num_kv_heads * d * 8 / 5e3;
+  if (solo_us < 60.0) body(0, count * splits);
+  else at::parallel_for(0, count * splits, 1, body);
 }
 
-}  // namespace
-
-void register_fused_ops(pybind11::module& m) {
-  m.def("rms_norm", &rms_norm);
-  m.def("silu_mul", &silu_mul);
-  m.def("rope_write_kv", &rope_write_kv);
-  m.def("paged_decode_attention", &paged_decode_attention);
-}
+}  // namespace llmk

@@ -11,12 +11,14 @@
 // weight tile is read from memory once per call, whatever the batch.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
 #include "vec_math.h"
 
 namespace {
@@ -24,7 +26,10 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int kMr = 4;  // activation rows per micro-tile: 4 fp32 + 4 int accumulators in ymm
 
-enum Pre : int64_t { kNone = 0, kRmsNorm = 1, kSiluMul = 2 };
+using llmk::Pre;
+using llmk::kNone;
+using llmk::kRmsNorm;
+using llmk::kSiluMul;
 
 struct QuantizedRows {
   std::vector<int8_t> q;    // [M][Kp]
@@ -95,6 +100,15 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t k, Pre pre, const float
     }
   });
   return out;
+}
+
+// Single-thread time (estimated, us) below which a kernel does not fork; env-tunable for A/B.
+double parallel_min_us() {
+  static const double value = [] {
+    const char* env = std::getenv("LLMMESH_PARALLEL_MIN_US");
+    return env ? std::atof(env) : 60.0;
+  }();
+  return value;
 }
 
 inline __m256i broadcast4(const int8_t* p) {
@@ -181,6 +195,10 @@ void run_tile(bool int4, const void* w, const uint16_t* sm, const QuantizedRows&
   else tile_int8<R>(static_cast<const int8_t*>(w), a, r0, acc);
 }
 
+}  // namespace
+
+namespace llmk {
+
 // out[M, N] (+)= pre(x)[M, K] @ W^T. Parallel over blocks of 8 output channels; inside a block
 // the rows go 4 at a time, so the block's weights come from L1 after the first 4 rows.
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -200,7 +218,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   const float* col_scale = int4 ? nullptr : scales.data_ptr<float>();
   float* ybase = y.data_ptr<float>();
   const int64_t ldo = y.stride(0);
-  at::parallel_for(0, nb, 1, [&](int64_t begin, int64_t end) {
+  auto body = [&](int64_t begin, int64_t end) {
     __m256 acc[kMr];
     for (int64_t b = begin; b < end; ++b) {
       const void* w = wbase + b * tile_bytes;
@@ -216,19 +234,13 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
       if (rest == 1) run_tile<1>(int4, w, smb, a, r0, acc);
       if (rest) store_tile(acc, rest, col_scale, ybase + r0 * ldo, ldo, b * 8, n, accumulate);
     }
-  });
+  };
+  // Waking a sleeping OpenMP worker costs ~15-20 us (OMP_WAIT_POLICY=PASSIVE, which a shared
+  // host needs): below ~3x that, one thread is faster (batch-1 qkv: 16 us alone, 31 us on two).
+  const double solo_us = tile_bytes * nb / 5e3 + static_cast<double>(m) * n * k / 50e3;
+  if (solo_us < parallel_min_us()) body(0, nb);
+  else at::parallel_for(0, nb, 1, body);
   return y;
 }
 
-}  // namespace
-
-// Defined in fused_ops.cpp.
-void register_fused_ops(pybind11::module& m);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qgemm", &qgemm, "out (+)= pre(x) @ W^T for packed int8/int4 weights",
-        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("scales"), pybind11::arg("n"),
-        pybind11::arg("k"), pybind11::arg("int4"), pybind11::arg("pre"), pybind11::arg("norm_w"),
-        pybind11::arg("eps"), pybind11::arg("out"), pybind11::arg("accumulate"));
-  register_fused_ops(m);
-}
+}  // namespace llmk

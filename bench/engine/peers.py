@@ -1,0 +1,140 @@
+"""The peers on the same GGUF and thread count: llama.cpp (llama-bench, llama-batched-bench) and
+HF transformers (plain `generate`, and its continuous-batching `generate_batch` when present)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from bench.peers.llamacpp import llamacpp_bin
+
+
+@dataclass
+class PeerResult:
+    name: str
+    prefill_tps: dict[int, float] = field(default_factory=dict)
+    decode_tps: dict[int, float] = field(default_factory=dict)
+    e2e_tps: dict[int, float] = field(default_factory=dict)
+    note: str = ""
+
+
+def _run_json(argv: list[str], timeout_s: float, env: dict[str, str] | None = None) -> str:
+    done = subprocess.run(argv, check=True, text=True, capture_output=True, timeout=timeout_s,
+                          env=env)
+    return done.stdout
+
+
+def llamacpp(gguf_path: str, threads: int, concurrency: list[int], prompt_len: int,
+             new_tokens: int, repeats: int) -> PeerResult:
+    """Best of llama.cpp with OpenMP threads sleeping (PASSIVE) and spinning (its default):
+    on a loaded host spinning collapsed its batched decode ~10x, on a quiet one it is faster."""
+    result = PeerResult("llama.cpp")
+    spinning = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    # Spinning gets one try: under load its 32-sequence run took 4+ minutes.
+    for env, tries in (({**spinning, "OMP_WAIT_POLICY": "PASSIVE"}, repeats), (spinning, 1)):
+        _llamacpp_once(result, env, gguf_path, threads, concurrency, prompt_len, new_tokens,
+                       tries)
+    result.note = ("best per cell of OMP_WAIT_POLICY=PASSIVE (best of the repeats) and unset "
+                   "(spinning, one try)")
+    return result
+
+
+def _keep_best(table: dict[int, float], key: int, value: float) -> None:
+    table[key] = max(table.get(key, 0.0), value)
+
+
+def _llamacpp_once(result: PeerResult, env: dict[str, str], gguf_path: str, threads: int,
+                   concurrency: list[int], prompt_len: int, new_tokens: int,
+                   repeats: int) -> None:
+    bench = json.loads(_run_json(
+        [llamacpp_bin("llama-bench"), "-m", gguf_path, "-t", str(threads), "-p", str(prompt_len),
+         "-n", str(new_tokens), "-r", str(max(repeats, 2)), "-o", "json"], 1800, env))
+    for row in bench:
+        _keep_best(result.prefill_tps if row["n_gen"] == 0 else result.decode_tps, 1,
+                   row["avg_ts"])
+    parallel = [n for n in concurrency if n > 1]
+    if parallel:
+        ctx = max(parallel) * (prompt_len + new_tokens) + 256
+        for _ in range(repeats):
+            out = _run_json([llamacpp_bin("llama-batched-bench"), "-m", gguf_path,
+                             "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-kvu",
+                             "-npp", str(prompt_len), "-ntg", str(new_tokens),
+                             "-npl", ",".join(map(str, parallel)), "--output-format", "jsonl"],
+                            1800, env)
+            for row in (json.loads(x) for x in out.splitlines() if x.startswith("{")):
+                n = row["pl"]
+                _keep_best(result.prefill_tps, n, row["speed_pp"])
+                _keep_best(result.decode_tps, n, row["speed_tg"])
+                _keep_best(result.e2e_tps, n, n * new_tokens / row["t"])
+
+
+def _hf_model(gguf_path: str, dtype: torch.dtype):
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=dtype)
+    return model.eval()
+
+
+def _hf_generate(model, batch: int, prompt_len: int, new_tokens: int, seed: int
+                 ) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s) for one padded-free batch of equal-length prompts."""
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    ids = torch.tensor([[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)])
+    with torch.inference_mode():
+        started = time.perf_counter()
+        model(ids)
+        prefill_s = time.perf_counter() - started
+        started = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+        total_s = time.perf_counter() - started
+    # generate's time is one prefill plus new_tokens - 1 decode steps.
+    decode_s = max(total_s - prefill_s, 1e-9)
+    return batch * prompt_len / prefill_s, batch * (new_tokens - 1) / decode_s
+
+
+def hf_transformers(gguf_path: str, dtype: torch.dtype, concurrency: list[int],
+                    prompt_len: int, new_tokens: int, decode: bool) -> PeerResult:
+    name = "HF transformers " + ("fp32" if dtype == torch.float32 else "bf16")
+    result = PeerResult(name)
+    model = _hf_model(gguf_path, dtype)
+    _hf_generate(model, 1, 16, 2, seed=-1)    # warm-up
+    for n in concurrency:
+        prefill, dec = _hf_generate(model, n, prompt_len, new_tokens if decode else 2, seed=n)
+        result.prefill_tps[n] = prefill
+        if decode:
+            result.decode_tps[n] = dec
+    return result
+
+
+def hf_continuous_batching(gguf_path: str, concurrency: int, prompt_len: int,
+                           new_tokens: int) -> PeerResult:
+    """transformers' generate_batch (paged continuous batching), end-to-end tok/s."""
+    result = PeerResult("HF generate_batch fp32")
+    model = _hf_model(gguf_path, torch.float32)
+    if not hasattr(model, "generate_batch"):
+        result.note = "generate_batch not in this transformers"
+        return result
+    from transformers import GenerationConfig
+    rng = random.Random(concurrency)
+    prompts = [[rng.randrange(model.config.vocab_size) for _ in range(prompt_len)]
+               for _ in range(concurrency)]
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False, eos_token_id=-1, pad_token_id=0)
+    try:
+        with torch.inference_mode():
+            started = time.perf_counter()
+            outputs = model.generate_batch(prompts, generation_config=config, progress_bar=False)
+            wall = time.perf_counter() - started
+    except Exception as exc:   # an experimental API: report, don't abort the whole run
+        result.note = f"generate_batch failed: {type(exc).__name__}: {exc}"[:200]
+        return result
+    generated = sum(len(o.generated_tokens) for o in outputs.values())
+    result.e2e_tps[concurrency] = generated / wall
+    return result

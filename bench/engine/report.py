@@ -1,0 +1,138 @@
+"""bench/results/engine.md and engine.png from one run's results."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.engine.ours import ModeResult
+from bench.engine.peers import PeerResult
+
+
+def _fmt(value: float | None, digits: int = 0) -> str:
+    return "—" if value is None else f"{value:,.{digits}f}"
+
+
+def _ratio(ours: float | None, peer: float | None) -> str:
+    return "—" if not ours or not peer else f"{ours / peer:.2f}×"
+
+
+def throughput_table(modes: list[ModeResult], peers: list[PeerResult],
+                     concurrency: list[int]) -> list[str]:
+    head = (["system"] + [f"prefill @{n}" for n in concurrency]
+            + [f"decode @{n}" for n in concurrency] + [f"end-to-end @{concurrency[-1]}"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = [(f"**ours {m.mode}**", m) for m in modes] + [(p.name, p) for p in peers]
+    for name, r in rows:
+        cells = ([_fmt(r.prefill_tps.get(n)) for n in concurrency]
+                 + [_fmt(r.decode_tps.get(n), 1) for n in concurrency]
+                 + [_fmt(r.e2e_tps.get(concurrency[-1]), 1)])
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def ratio_table(modes: list[ModeResult], peers: dict[str, PeerResult],
+                concurrency: list[int]) -> list[str]:
+    llama, hf32, hf16 = (peers.get(k) for k in ("llama.cpp", "HF transformers fp32",
+                                                 "HF transformers bf16"))
+    cb = peers.get("HF generate_batch fp32")
+    head = (["ours"] + [f"decode @{n} vs llama.cpp" for n in concurrency]
+            + [f"decode @{n} vs HF fp32" for n in concurrency]
+            + [f"prefill @{n} vs llama.cpp" for n in concurrency]
+            + [f"prefill @{concurrency[-1]} vs HF bf16",
+               f"e2e @{concurrency[-1]} vs HF generate_batch"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    last = concurrency[-1]
+    for m in modes:
+        cells = ([_ratio(m.decode_tps.get(n), llama and llama.decode_tps.get(n))
+                  for n in concurrency]
+                 + [_ratio(m.decode_tps.get(n), hf32 and hf32.decode_tps.get(n))
+                    for n in concurrency]
+                 + [_ratio(m.prefill_tps.get(n), llama and llama.prefill_tps.get(n))
+                    for n in concurrency]
+                 + [_ratio(m.prefill_tps.get(last), hf16 and hf16.prefill_tps.get(last)),
+                    _ratio(m.e2e_tps.get(last), cb and cb.e2e_tps.get(last))])
+        lines.append(f"| {m.mode} | " + " | ".join(cells) + " |")
+    return lines
+
+
+# Issue 3's figures for llama.cpp on a quiet host of this kind (2 threads, same GGUF/workload).
+QUOTED_LLAMACPP = {"prefill": 314.0, "decode": {1: 119.0, 8: 203.0, 32: 242.0}}
+
+
+def quoted_table(modes: list[ModeResult], concurrency: list[int]) -> list[str]:
+    """Ours against the quoted quiet-host llama.cpp: the honest bound when this run's host was
+    loaded, since load hurt llama.cpp's batched decode far more than ours."""
+    quoted = [n for n in concurrency if n in QUOTED_LLAMACPP["decode"]]
+    head = ["ours"] + [f"decode @{n} / {QUOTED_LLAMACPP['decode'][n]:.0f}" for n in quoted]
+    head += [f"prefill @1 / {QUOTED_LLAMACPP['prefill']:.0f}"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in modes:
+        cells = [_ratio(m.decode_tps.get(n), QUOTED_LLAMACPP["decode"][n]) for n in quoted]
+        cells.append(_ratio(m.prefill_tps.get(1), QUOTED_LLAMACPP["prefill"]))
+        lines.append(f"| {m.mode} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def quality_table(modes: list[ModeResult]) -> list[str]:
+    reference = next((m.perplexity for m in modes if m.mode == "fp32"), None)
+    lines = ["| mode | weights streamed per decode step (MiB) | resident weights (MiB) | "
+             "perplexity | vs fp32 | TTFT uncached (ms) | TTFT 512 cached (ms) | cached/uncached |",
+             "|---|---|---|---|---|---|---|---|"]
+    for m in modes:
+        wb = m.weight_bytes
+        delta = ("—" if not reference or m.perplexity is None
+                 else f"{100 * (m.perplexity / reference - 1):+.2f}%")
+        ttft_ratio = (f"{m.ttft_cached_s / m.ttft_uncached_s:.3f}"
+                      if m.ttft_cached_s and m.ttft_uncached_s else "—")
+        lines.append(
+            f"| {m.mode} | {wb.get('streamed_per_step', 0) / 2**20:,.1f} | "
+            f"{wb.get('total', 0) / 2**20:,.1f} | "
+            f"{_fmt(m.perplexity, 3)} | {delta} | {_fmt(m.ttft_uncached_s and 1e3 * m.ttft_uncached_s, 1)} | "
+            f"{_fmt(m.ttft_cached_s and 1e3 * m.ttft_cached_s, 1)} | {ttft_ratio} |")
+    return lines
+
+
+def plot(path: Path, modes: list[ModeResult], peers: list[PeerResult],
+         concurrency: list[int]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = [(f"ours {m.mode}", m) for m in modes] + [(p.name, p) for p in peers]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    width = 0.8 / max(len(systems), 1)
+    for panel, (ax, attr, title) in enumerate(zip(
+            axes, ("decode_tps", "prefill_tps"), ("decode tok/s (aggregate)", "prefill tok/s"))):
+        for i, (name, r) in enumerate(systems):
+            values = [getattr(r, attr).get(n, 0) for n in concurrency]
+            xs = [c + i * width for c in range(len(concurrency))]
+            ax.bar(xs, values, width, label=name)
+        ax.set_xticks([c + width * (len(systems) - 1) / 2 for c in range(len(concurrency))])
+        ax.set_xticklabels([f"{n} seq" for n in concurrency])
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+        if panel == 0:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(path: Path, header: list[str], modes: list[ModeResult],
+                 peers: list[PeerResult], concurrency: list[int], verdicts: list[str]) -> None:
+    by_name = {p.name: p for p in peers}
+    lines = header + ["", "## Throughput (tok/s, higher is better)", ""]
+    lines += throughput_table(modes, peers, concurrency)
+    lines += ["", "## Ours relative to the peers (same run)", ""]
+    lines += ratio_table(modes, by_name, concurrency)
+    lines += ["", "## Ours relative to llama.cpp as quoted in issue 3 (quiet host, not this run)",
+              ""]
+    lines += quoted_table(modes, concurrency)
+    lines += ["", "## Weights, perplexity, time to first token", ""]
+    lines += quality_table(modes)
+    lines += ["", "## Targets (issue 3)", ""] + verdicts
+    notes = [f"- {p.name}: {p.note}" for p in peers if p.note]
+    if notes:
+        lines += ["", "## Notes", ""] + notes
+    lines += ["", f"![throughput]({path.with_suffix('.png').name})", ""]
+    path.write_text("\n".join(lines))
+    plot(path.with_suffix(".png"), modes, peers, concurrency)

@@ -1,0 +1,25 @@
+// The kernels' C++ entry points, shared by the Python bindings (module.cpp) and DecoderStack.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace llmk {
+
+enum Pre : int64_t { kNone = 0, kRmsNorm = 1, kSiluMul = 2 };
+
+at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                 int64_t n, int64_t k, bool int4, int64_t pre,
+                 const c10::optional<at::Tensor>& norm_w, double eps,
+                 c10::optional<at::Tensor> out, bool accumulate);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor silu_mul(const at::Tensor& x);
+void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos,
+                   const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& slot_mapping,
+                   int64_t num_heads, int64_t num_kv_heads);
+void paged_attention(const at::Tensor& qkv, const at::Tensor& rows, const at::Tensor& table_rows,
+                     const at::Tensor& seq_lens, const at::Tensor& kv_cache,
+                     const at::Tensor& block_tables, at::Tensor out, int64_t num_heads,
+                     int64_t num_kv_heads, double scale);
+
+}  // namespace llmk

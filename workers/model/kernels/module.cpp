@@ -1,0 +1,24 @@
+// Python bindings. Every entry point releases the GIL: the async engine runs steps on a worker
+// thread, and the event loop must keep serving streams while a step computes.
+#include <torch/csrc/utils/pybind.h>
+#include <pybind11/stl.h>
+
+#include "kernels.h"
+
+namespace llmk {
+void register_decoder_stack(pybind11::module& m);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("qgemm", &llmk::qgemm, release(), "out (+)= pre(x) @ W^T for packed int8/int4 weights",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("n"), py::arg("k"),
+        py::arg("int4"), py::arg("pre"), py::arg("norm_w"), py::arg("eps"), py::arg("out"),
+        py::arg("accumulate"));
+  m.def("rms_norm", &llmk::rms_norm, release());
+  m.def("silu_mul", &llmk::silu_mul, release());
+  m.def("rope_write_kv", &llmk::rope_write_kv, release());
+  m.def("paged_attention", &llmk::paged_attention, release());
+  llmk::register_decoder_stack(m);
+}

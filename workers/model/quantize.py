@@ -1,0 +1,108 @@
+"""Turns a loaded fp32 model into a weight mode, and picks the default mode per device.
+
+Default (measured in bench/results/engine.md): int4 on a CPU with the AVX2 kernels — a quarter
+of fp32's bytes per token and the fastest at every batch size, at a perplexity within ~1% of
+the dequantized model (the GGUF is Q4_1, the same format) — and bf16 on CUDA, where int8/int4
+would be dequantized per call (no torchao here) and bf16 tensor cores are the fast path.
+"""
+from __future__ import annotations
+
+import torch
+
+from workers.model.kernels import cpu_kernels
+from workers.model.linear import QUANTIZATION_MODES, Linear, QuantizedLinear, convert_linear
+from workers.model.llama import LlamaForCausalLM, RotaryEmbedding
+
+_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def default_quantization(device: torch.device | str, dtype: torch.dtype) -> str:
+    kind = torch.device(device).type
+    if kind == "cpu" and dtype == torch.float32 and cpu_kernels() is not None:
+        return "int4"
+    if kind == "cuda":
+        return "bf16"
+    return "fp32" if dtype == torch.float32 else "bf16"
+
+
+def resolve_quantization(quantization: str | None, device: torch.device | str,
+                         dtype: torch.dtype) -> str:
+    """A concrete mode: None / "none" mean weights in the activations' dtype."""
+    if quantization in (None, "", "none"):
+        return "bf16" if dtype == torch.bfloat16 else "fp32"
+    if quantization == "auto":
+        return default_quantization(device, dtype)
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES}, 'auto' or 'none', "
+                         f"got {quantization!r}")
+    return quantization
+
+
+def quantize_model(model: LlamaForCausalLM, mode: str, *, device: torch.device | str,
+                   dtype: torch.dtype) -> None:
+    """In place: projections (and the output layer) stored in `mode` on `device`; norms and the
+    embedding table (looked up exactly, never quantized) in `dtype` on `device`."""
+    with torch.no_grad():
+        for layer in model.layers:
+            for path in _PROJECTIONS:
+                parent_name, name = path.split(".")
+                parent = getattr(layer, parent_name)
+                setattr(parent, name, convert_linear(getattr(parent, name), mode, device, dtype))
+        # The output layer stays int8 under int4: from this GGUF's Q8_0 embedding, 4 bits cost
+        # +7.9% perplexity against +0.5% for int8 (llama.cpp's Q4 mixes keep it wider too).
+        head_mode = "int8" if mode == "int4" else mode
+        if model.lm_head is None:   # tied: the output layer gets its own copy in `head_mode`
+            head = Linear(*model.embed_tokens.shape, device="cpu", dtype=torch.float32)
+            head.weight.data = model.embed_tokens.data
+            model.lm_head = convert_linear(head, head_mode, device, dtype)
+            if isinstance(model.lm_head, Linear):   # never share storage with the lookup table
+                model.lm_head.weight.data = model.lm_head.weight.data.clone()
+        else:
+            model.lm_head = convert_linear(model.lm_head, head_mode, device, dtype)
+        projection_params = {id(m.weight) for m in model.modules() if isinstance(m, Linear)}
+        for param in model.parameters():
+            if id(param) not in projection_params:
+                param.data = param.data.to(device, dtype)
+    model.rotary = RotaryEmbedding(model.config, device)
+    model.decoder_stack = build_decoder_stack(model)
+
+
+def build_decoder_stack(model: LlamaForCausalLM):
+    """The C++ DecoderStack over the model's own packed tensors (shared, not copied), or None
+    when some projection is not packed for the CPU kernels."""
+    ext = cpu_kernels()
+    layers = [[getattr(getattr(layer, parent), name)
+               for parent, name in (path.split(".") for path in _PROJECTIONS)]
+              for layer in model.layers]
+    if ext is None or not all(isinstance(p, QuantizedLinear) and p.packed
+                              for projections in layers for p in projections):
+        return None
+    c = model.config
+    stack = ext.DecoderStack(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+    for layer, projections in zip(model.layers, layers):
+        stack.add_layer(layer.input_layernorm.weight.data,
+                        layer.post_attention_layernorm.weight.data,
+                        [p.tensors["packed"] for p in projections],
+                        [p.tensors["scales"] for p in projections],
+                        [p.out_features for p in projections],
+                        [p.in_features for p in projections],
+                        [p.mode == "int4" for p in projections])
+    return stack
+
+
+def weight_bytes(model: LlamaForCausalLM) -> dict[str, int]:
+    """Bytes held: projections + output layer (what a decode step streams) and the lookup table."""
+    streamed = sum(m.weight_bytes() for m in model.modules()
+                   if isinstance(m, (Linear, QuantizedLinear)))
+    if model.lm_head is None:
+        streamed += model.embed_tokens.numel() * model.embed_tokens.element_size()
+    norms = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                if "norm" in n)
+    table = model.embed_tokens.numel() * model.embed_tokens.element_size()
+    return {"streamed_per_step": streamed + norms, "embedding_table": table,
+            "total": streamed + norms + (table if model.lm_head is not None else 0)}
+
+
+def weight_mode(model: LlamaForCausalLM) -> str:
+    first = model.layers[0].self_attn.qkv_proj
+    return first.mode
