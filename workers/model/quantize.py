@@ -18,8 +18,11 @@ _PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "m
 
 def default_quantization(device: torch.device | str, dtype: torch.dtype) -> str:
     kind = torch.device(device).type
+    # int8, not int4, by default: int4 is faster here but changed the chat answer to "What is
+    # the capital of France?" from Paris to a list of Paris landmarks in the end-to-end test;
+    # int8 keeps the reference answer (and perplexity within 1%).
     if kind == "cpu" and dtype == torch.float32 and cpu_kernels() is not None:
-        return "int4"
+        return "int8"
     if kind == "cuda":
         return "bf16"
     return "fp32" if dtype == torch.float32 else "bf16"
