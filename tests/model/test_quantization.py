@@ -79,7 +79,7 @@ def test_mode_resolution():
     assert resolve_quantization(None, "cpu", torch.float32) == "fp32"
     assert resolve_quantization("none", "cpu", torch.bfloat16) == "bf16"
     assert resolve_quantization("auto", "cuda", torch.float32) == "bf16"
-    assert resolve_quantization("auto", "cpu", torch.float32) in ("int4", "fp32")
+    assert resolve_quantization("auto", "cpu", torch.float32) in ("int8", "fp32")
     with pytest.raises(ValueError, match="quantization"):
         resolve_quantization("int3", "cpu", torch.float32)
 
