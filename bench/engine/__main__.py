@@ -35,7 +35,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.engine")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--modes", nargs="+", default=["int4", "int8", "fp32", "bf16"])
+    p.add_argument("--modes", nargs="+", default=["int4", "int8", "fp32"],
+                   help="weight modes timed end to end (the first is checked against targets)")
+    p.add_argument("--quality-modes", nargs="*", default=["bf16"],
+                   help="modes measured for perplexity and weight bytes only")
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -46,7 +49,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=str(RESULTS / "engine.md"))
     args = p.parse_args(argv)
     if args.quick:
-        args.modes, args.concurrency = ["int4"], [1, 8]
+        args.modes, args.quality_modes, args.concurrency = ["int4"], [], [1, 8]
         args.new_tokens, args.repeats, args.ppl_tokens = 16, 1, 128
     return args
 
@@ -109,6 +112,10 @@ def main(argv: list[str] | None = None) -> None:
             gguf, mode, device=args.device, threads=args.threads, concurrency=args.concurrency,
             prompt_len=args.prompt_len, new_tokens=args.new_tokens, ppl_tokens=args.ppl_tokens,
             repeats=args.repeats))
+    for mode in args.quality_modes:
+        print(f"[bench-engine] ours {mode} (perplexity and bytes only) ...", flush=True)
+        mode_results.append(ours.quality_only(gguf, mode, device=args.device,
+                                              threads=args.threads, ppl_tokens=args.ppl_tokens))
     print("[bench-engine] peers ...", flush=True)
     peer_results = [] if args.skip_peers else _run_peers(args, gguf)
     out = Path(args.out)

@@ -115,6 +115,17 @@ def warm_up(core: EngineCore) -> None:
     measure_throughput(core, 2, 32, 4, seed=-1)
 
 
+def quality_only(gguf_path: str, mode: str, *, device: str, threads: int,
+                 ppl_tokens: int) -> ModeResult:
+    """Perplexity and weight bytes without throughput runs (bf16 on a CPU without bf16 units
+    is 2-7x slower than fp32 here and would double the benchmark's length)."""
+    core = build_engine(gguf_path, mode, device, threads, 1)
+    result = ModeResult(mode)
+    with torch.inference_mode():
+        result.perplexity, result.weight_bytes = measure_quality(core, gguf_path, ppl_tokens)
+    return result
+
+
 def run_mode(gguf_path: str, mode: str, *, device: str, threads: int, concurrency: list[int],
              prompt_len: int, new_tokens: int, ppl_tokens: int, repeats: int) -> ModeResult:
     core = build_engine(gguf_path, mode, device, threads, max(concurrency))

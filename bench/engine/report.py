@@ -20,7 +20,8 @@ def throughput_table(modes: list[ModeResult], peers: list[PeerResult],
     head = (["system"] + [f"prefill @{n}" for n in concurrency]
             + [f"decode @{n}" for n in concurrency] + [f"end-to-end @{concurrency[-1]}"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    rows = [(f"**ours {m.mode}**", m) for m in modes] + [(p.name, p) for p in peers]
+    rows = ([(f"**ours {m.mode}**", m) for m in modes if m.decode_tps]
+            + [(p.name, p) for p in peers])
     for name, r in rows:
         cells = ([_fmt(r.prefill_tps.get(n)) for n in concurrency]
                  + [_fmt(r.decode_tps.get(n), 1) for n in concurrency]
@@ -41,7 +42,7 @@ def ratio_table(modes: list[ModeResult], peers: dict[str, PeerResult],
                f"e2e @{concurrency[-1]} vs HF generate_batch"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     last = concurrency[-1]
-    for m in modes:
+    for m in (m for m in modes if m.decode_tps):
         cells = ([_ratio(m.decode_tps.get(n), llama and llama.decode_tps.get(n))
                   for n in concurrency]
                  + [_ratio(m.decode_tps.get(n), hf32 and hf32.decode_tps.get(n))
@@ -65,7 +66,7 @@ def quoted_table(modes: list[ModeResult], concurrency: list[int]) -> list[str]:
     head = ["ours"] + [f"decode @{n} / {QUOTED_LLAMACPP['decode'][n]:.0f}" for n in quoted]
     head += [f"prefill @1 / {QUOTED_LLAMACPP['prefill']:.0f}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for m in modes:
+    for m in (m for m in modes if m.decode_tps):
         cells = [_ratio(m.decode_tps.get(n), QUOTED_LLAMACPP["decode"][n]) for n in quoted]
         cells.append(_ratio(m.prefill_tps.get(1), QUOTED_LLAMACPP["prefill"]))
         lines.append(f"| {m.mode} | " + " | ".join(cells) + " |")
@@ -81,13 +82,15 @@ def quality_table(modes: list[ModeResult]) -> list[str]:
         wb = m.weight_bytes
         delta = ("—" if not reference or m.perplexity is None
                  else f"{100 * (m.perplexity / reference - 1):+.2f}%")
+        uncached = m.ttft_uncached_s and 1e3 * m.ttft_uncached_s
+        cached = m.ttft_cached_s and 1e3 * m.ttft_cached_s
         ttft_ratio = (f"{m.ttft_cached_s / m.ttft_uncached_s:.3f}"
                       if m.ttft_cached_s and m.ttft_uncached_s else "—")
         lines.append(
             f"| {m.mode} | {wb.get('streamed_per_step', 0) / 2**20:,.1f} | "
             f"{wb.get('total', 0) / 2**20:,.1f} | "
-            f"{_fmt(m.perplexity, 3)} | {delta} | {_fmt(m.ttft_uncached_s and 1e3 * m.ttft_uncached_s, 1)} | "
-            f"{_fmt(m.ttft_cached_s and 1e3 * m.ttft_cached_s, 1)} | {ttft_ratio} |")
+            f"{_fmt(m.perplexity, 3)} | {delta} | {_fmt(uncached, 1)} | {_fmt(cached, 1)} | "
+            f"{ttft_ratio} |")
     return lines
 
 
@@ -97,7 +100,8 @@ def plot(path: Path, modes: list[ModeResult], peers: list[PeerResult],
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    systems = [(f"ours {m.mode}", m) for m in modes] + [(p.name, p) for p in peers]
+    systems = ([(f"ours {m.mode}", m) for m in modes if m.decode_tps]
+               + [(p.name, p) for p in peers])
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     width = 0.8 / max(len(systems), 1)
     for panel, (ax, attr, title) in enumerate(zip(

@@ -14,7 +14,8 @@ from workers.model.kernels import cpu_kernels
 from workers.model.linear import QuantizedLinear
 
 ext = cpu_kernels()
-pytestmark = pytest.mark.skipif(ext is None, reason="CPU kernels unavailable (no AVX2 or no compiler)")
+pytestmark = pytest.mark.skipif(ext is None,
+                                reason="CPU kernels unavailable (no AVX2 or no compiler)")
 
 SHAPES = [(1, 64, 96), (7, 100, 200), (32, 48, 576), (5, 13, 40), (64, 24, 1536)]
 
@@ -111,7 +112,8 @@ def test_packed_and_dequantized_paths_agree(mode):
     plain = QuantizedLinear.from_weight(w, mode, "cpu", pack=False)
     expected = plain(x).double()
     # The kernel also rounds activations to int8: compare at the activation-rounding level.
-    torch.testing.assert_close(packed(x).double(), expected, rtol=0.05, atol=0.05 * expected.abs().max().item())
+    torch.testing.assert_close(packed(x).double(), expected, rtol=0.05,
+                               atol=0.05 * expected.abs().max().item())
     assert packed.weight_bytes() < w.numel() * (2 if mode == "int8" else 1)
 
 

@@ -1,4 +1,4 @@
-"""Projection layers in every weight mode, behind one call: `linear(x, norm=, silu_mul=, residual=)`.
+"""Projection layers in every weight mode behind one call: `proj(x, norm=, silu_mul=, residual=)`.
 
 Folding the pre-op (RMSNorm or SiLU-and-multiply) and the residual add into the projection call
 lets the AVX2 kernels do them in the same pass that quantizes the activations, and cuts the

@@ -1,9 +1,10 @@
 """Turns a loaded fp32 model into a weight mode, and picks the default mode per device.
 
-Default (measured in bench/results/engine.md): int4 on a CPU with the AVX2 kernels — a quarter
-of fp32's bytes per token and the fastest at every batch size, at a perplexity within ~1% of
-the dequantized model (the GGUF is Q4_1, the same format) — and bf16 on CUDA, where int8/int4
-would be dequantized per call (no torchao here) and bf16 tensor cores are the fast path.
+Default (measured in bench/results/engine.md): int8 on a CPU with the AVX2 kernels — a quarter
+of fp32's bytes, 3-4x fp32's decode speed, perplexity +0.2% — rather than int4, which reads
+~30% fewer bytes and is faster at small batches but moved a reference chat answer in the
+end-to-end tests (+0.6% perplexity). bf16 on CUDA, where int8/int4 would be dequantized per
+call (no torchao here) and bf16 tensor cores are the fast path.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("module.cpp", "qgemm.cpp", "fused_ops.cpp", "decoder_stack.cpp")
+_SOURCES = ("module.cpp", "pool.cpp", "qgemm.cpp", "fused_ops.cpp", "decoder_stack.cpp")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG"]
 _REQUIRED_CPU_FLAGS = {"avx2", "fma", "f16c"}
 
@@ -72,7 +72,3 @@ def cpu_kernels() -> ModuleType | None:
                     "which is several times slower", str(exc).splitlines()[0] if str(exc) else exc)
         return None
 
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO)
-    print("CPU kernels:", "ready" if cpu_kernels() is not None else "unavailable")

@@ -70,7 +70,7 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor
   const int64_t *pos = positions.data_ptr<int64_t>(), *slots = slot_mapping.data_ptr<int64_t>();
   const float *cs = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
   float *base = qkv.data_ptr<float>(), *cache = kv_cache.data_ptr<float>();
-  at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+  parallel_chunks(t, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float* row = base + i * qkv.stride(0);
       const float *c = cs + pos[i] * half, *s = sn + pos[i] * half;
@@ -130,6 +130,66 @@ static void attend_heads(const float* q, float* out, int64_t h0, int64_t h1, int
   }
 }
 
+// attend_heads for head_dim 64, one query head at a time with its query and output in eight
+// ymm registers: no per-key horizontal sum (four keys reduce together) and no output
+// load/store per key. ~1.8x fewer instructions; batch-1 attention was a quarter of a step.
+static void attend_heads_d64(const float* q, float* out, int64_t h0, int64_t h1, int64_t group,
+                             const float* keys, const float* values, const int64_t* table,
+                             int64_t seq_len, int64_t block_size, int64_t token_stride,
+                             float scale, std::vector<float>& p) {
+  // Row offsets once per sequence, shared by every head, K and V: no division per key.
+  thread_local std::vector<int64_t> offsets;
+  offsets.resize(seq_len);
+  for (int64_t start = 0; start < seq_len; start += block_size) {
+    const int64_t base = table[start / block_size] * block_size;
+    for (int64_t j = start; j < std::min(seq_len, start + block_size); ++j)
+      offsets[j] = (base + j - start) * token_stride;
+  }
+  p.resize(seq_len + 4);
+  for (int64_t h = h0; h < h1; ++h) {
+    __m256 qv[8];
+    for (int i = 0; i < 8; ++i) qv[i] = _mm256_loadu_ps(q + h * 64 + 8 * i);
+    const int64_t head_offset = (h / group) * 64;
+    auto row = [&](const float* base, int64_t j) { return base + offsets[j] + head_offset; };
+    auto dot8 = [&](const float* k) {   // 8 partial sums of q . k
+      __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
+      __m256 b = _mm256_mul_ps(qv[1], _mm256_loadu_ps(k + 8));
+      for (int i = 2; i < 8; i += 2) {
+        a = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k + 8 * i), a);
+        b = _mm256_fmadd_ps(qv[i + 1], _mm256_loadu_ps(k + 8 * i + 8), b);
+      }
+      return _mm256_add_ps(a, b);
+    };
+    int64_t j = 0;
+    for (; j + 4 <= seq_len; j += 4) {
+      const __m256 s01 = _mm256_hadd_ps(dot8(row(keys, j)), dot8(row(keys, j + 1)));
+      const __m256 s23 = _mm256_hadd_ps(dot8(row(keys, j + 2)), dot8(row(keys, j + 3)));
+      const __m256 s = _mm256_hadd_ps(s01, s23);   // per 128-bit lane: keys j..j+3
+      const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+      _mm_storeu_ps(p.data() + j, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+    }
+    for (; j < seq_len; ++j) p[j] = vm::hsum(dot8(row(keys, j))) * scale;
+    const float mx = *std::max_element(p.begin(), p.begin() + seq_len);
+    __m256 sum = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= seq_len; j += 8) {
+      const __m256 e = vm::exp(_mm256_sub_ps(_mm256_loadu_ps(p.data() + j), _mm256_set1_ps(mx)));
+      _mm256_storeu_ps(p.data() + j, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    float total = vm::hsum(sum);
+    for (; j < seq_len; ++j) total += (p[j] = std::exp(p[j] - mx));
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (j = 0; j < seq_len; ++j) {
+      const __m256 w = _mm256_set1_ps(p[j]);
+      const float* v = row(values, j);
+      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), acc[i]);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / total);
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + h * 64 + 8 * i, _mm256_mul_ps(acc[i], inv));
+  }
+}
+
 // Attention for any mix of decode and prompt tokens, all read from the paged cache: query row
 // rows[i] attends to the first seq_lens[i] tokens of block-table row table_rows[i] (a prompt
 // token's own causal length). Rows are dealt out zig-zag (first, last, second, ...), so the
@@ -161,17 +221,23 @@ void paged_attention(const at::Tensor& qkv, const at::Tensor& rows, const at::Te
       const int64_t i = slot % 2 == 0 ? slot / 2 : count - 1 - slot / 2;
       const int64_t r = row_idx[i];
       const int64_t h0 = part * num_heads / splits, h1 = (part + 1) * num_heads / splits;
-      attend_heads(qbase + r * qkv.stride(0), obase + r * out.stride(0), h0, h1, group, d, keys,
-                   values, tables + table_idx[i] * block_tables.stride(0), lens[i], block_size,
-                   token_stride, static_cast<float>(scale), p);
+      const int64_t* table = tables + table_idx[i] * block_tables.stride(0);
+      if (d == 64)
+        attend_heads_d64(qbase + r * qkv.stride(0), obase + r * out.stride(0), h0, h1, group,
+                         keys, values, table, lens[i], block_size, token_stride,
+                         static_cast<float>(scale), p);
+      else
+        attend_heads(qbase + r * qkv.stride(0), obase + r * out.stride(0), h0, h1, group, d,
+                     keys, values, table, lens[i], block_size, token_stride,
+                     static_cast<float>(scale), p);
     }
   };
   // One thread streams the fp32 cache at ~5 GB/s on a loaded host (K and V: 8 bytes per key
-  // element); fork only when that takes well over the ~15-20 us a fork costs (see qgemm.cpp).
+  // element); fork only when that takes well over the ~15-20 us a wake-up costs (see qgemm.cpp).
   // At batch 1 this is ~160 tokens of context, past which attention is a third of the step.
   const double solo_us = total_keys * num_kv_heads * d * 8 / 5e3;
   if (solo_us < 60.0) body(0, count * splits);
-  else at::parallel_for(0, count * splits, 1, body);
+  else parallel_chunks(count * splits, 1, body);
 }
 
 }  // namespace llmk

@@ -2,9 +2,15 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <optional>
 
 namespace llmk {
+
+using ChunkFn = std::function<void(int64_t, int64_t)>;
+
+// fn over [0, n) in chunks of `grain`, shared with the pool's helpers (pool.cpp).
+void parallel_chunks(int64_t n, int64_t grain, const ChunkFn& fn);
 
 enum Pre : int64_t { kNone = 0, kRmsNorm = 1, kSiluMul = 2 };
 

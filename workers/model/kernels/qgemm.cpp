@@ -91,7 +91,7 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t k, Pre pre, const float
   out.scale.resize(m * out.groups);
   out.sum.resize(m * out.groups);
   const float* src = x.data_ptr<float>();
-  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+  llmk::parallel_chunks(m, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(out.kp);
     for (int64_t r = begin; r < end; ++r) {
       pre_row(src + r * stride, k, out.kp, pre, norm_w, eps, row.data());
@@ -119,56 +119,85 @@ inline __m256i broadcast4(const int8_t* p) {
 
 // acc[r] (8 outputs) = sum_k w[n, k] * x[r, k] for `rows` rows, int8 weights (scale applied later).
 template <int R>
-void tile_int8(const int8_t* w, const QuantizedRows& a, int64_t r0, __m256* acc) {
+void tile_int8(const int8_t* w, const QuantizedRows& a, int64_t r0, __m256* out) {
+  // Local accumulators and a rolled k-loop: with the output array as accumulator and the k-loop
+  // fully unrolled, gcc kept the sums on the stack and spilled every madd result (~2x slower).
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const int8_t* x[R];
+  const float* xs[R];
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    x[r] = a.q.data() + (r0 + r) * a.kp;
+    xs[r] = a.scale.data() + (r0 + r) * a.groups;
+  }
   for (int64_t g = 0; g < a.groups; ++g) {
     __m256i iacc[R];
     for (int r = 0; r < R; ++r) iacc[r] = _mm256_setzero_si256();
-    for (int s = 0; s < 8; ++s) {
+    auto step = [&](int s) {
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g * 8 + s) * 32));
       const __m256i wa = _mm256_abs_epi8(wv);  // maddubs wants one unsigned operand
       for (int r = 0; r < R; ++r) {
-        const __m256i xs = _mm256_sign_epi8(broadcast4(&a.q[(r0 + r) * a.kp + g * kBlock + s * 4]), wv);
+        const __m256i xv = _mm256_sign_epi8(broadcast4(x[r] + g * kBlock + s * 4), wv);
         // |w| * (x * sign w) pairs stay within int16: 2 * 127 * 127 < 32767.
-        iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones));
+        iacc[r] = _mm256_add_epi32(iacc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xv), ones));
       }
+    };
+    if constexpr (R <= 2) {  // few rows: unrolled, so one row's add chain does not serialise
+      for (int s = 0; s < 8; ++s) step(s);
+    } else {
+#pragma GCC unroll 1
+      for (int s = 0; s < 8; ++s) step(s);
     }
     for (int r = 0; r < R; ++r)
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r]),
-                               _mm256_set1_ps(a.scale[(r0 + r) * a.groups + g]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r]), _mm256_set1_ps(xs[r][g]), acc[r]);
   }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
 template <int R>
 void tile_int4(const uint8_t* w, const uint16_t* sm, const QuantizedRows& a, int64_t r0,
-               __m256* acc) {
+               __m256* out) {
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const int8_t* x[R];
+  const float *xs[R], *xsum[R];
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    x[r] = a.q.data() + (r0 + r) * a.kp;
+    xs[r] = a.scale.data() + (r0 + r) * a.groups;
+    xsum[r] = a.sum.data() + (r0 + r) * a.groups;
+  }
   for (int64_t g = 0; g < a.groups; ++g) {
     __m256i iacc[R];
     for (int r = 0; r < R; ++r) iacc[r] = _mm256_setzero_si256();
-    for (int p = 0; p < 4; ++p) {
+    auto step = [&](int p) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g * 4 + p) * 32));
       const __m256i lo = _mm256_and_si256(v, low);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
       for (int r = 0; r < R; ++r) {
-        const int8_t* xp = &a.q[(r0 + r) * a.kp + g * kBlock + p * 8];
+        const int8_t* xp = x[r] + g * kBlock + p * 8;
         // q <= 15: eight int16 pair sums stay below 8 * 2 * 15 * 127 < 32767.
         iacc[r] = _mm256_add_epi16(iacc[r], _mm256_maddubs_epi16(lo, broadcast4(xp)));
         iacc[r] = _mm256_add_epi16(iacc[r], _mm256_maddubs_epi16(hi, broadcast4(xp + 4)));
       }
+    };
+    if constexpr (R <= 2) {
+      for (int p = 0; p < 4; ++p) step(p);
+    } else {
+#pragma GCC unroll 1
+      for (int p = 0; p < 4; ++p) step(p);
     }
     const __m128i* smv = reinterpret_cast<const __m128i*>(sm + g * 16);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(smv));
     const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128(smv + 1));
     for (int r = 0; r < R; ++r) {
-      const int64_t i = (r0 + r) * a.groups + g;
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(iacc[r], ones));
-      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(a.scale[i])), acc[r]);
-      acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.sum[i]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(xs[r][g])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xsum[r][g]), acc[r]);
     }
   }
+  for (int r = 0; r < R; ++r) out[r] = acc[r];
 }
 
 void store_tile(const __m256* acc, int rows, const float* col_scale, float* out, int64_t ldo,
@@ -235,11 +264,11 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
       if (rest) store_tile(acc, rest, col_scale, ybase + r0 * ldo, ldo, b * 8, n, accumulate);
     }
   };
-  // Waking a sleeping OpenMP worker costs ~15-20 us (OMP_WAIT_POLICY=PASSIVE, which a shared
-  // host needs): below ~3x that, one thread is faster (batch-1 qkv: 16 us alone, 31 us on two).
+  // Waking a sleeping helper costs ~5-20 us, more when its core is busy elsewhere: below ~3x
+  // that one thread is faster (batch-1 qkv: 16 us alone, 31 us on two OpenMP threads).
   const double solo_us = tile_bytes * nb / 5e3 + static_cast<double>(m) * n * k / 50e3;
   if (solo_us < parallel_min_us()) body(0, nb);
-  else at::parallel_for(0, nb, 1, body);
+  else parallel_chunks(nb, std::max<int64_t>(1, nb / 32), body);
   return y;
 }
 
