@@ -5,12 +5,19 @@
 // the caller waits out the other process's time slice — measured 2x slower than one thread for
 // batch-1 projections. Here chunks are claimed from an atomic counter: a helper that wakes late
 // finds the work already done, and the caller only waits for chunks a helper actually took.
+//
+// A batch-1 decode step forks ~150 times (4 projections + attention per layer, 30 layers), each
+// job 5-50 us. Waking a helper through a futex costs ~5-20 us, so after each job helpers spin on
+// the generation counter for a while (LLMMESH_POOL_SPIN_US, default 300) before they sleep; the
+// caller only takes the lock and notifies when some helper actually sleeps.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -21,6 +28,14 @@
 namespace llmk {
 namespace {
 
+double spin_us() {
+  static const double value = [] {
+    const char* env = std::getenv("LLMMESH_POOL_SPIN_US");
+    return env ? std::atof(env) : 300.0;
+  }();
+  return value;
+}
+
 class Pool {
  public:
   explicit Pool(int helpers) {
@@ -30,7 +45,7 @@ class Pool {
   ~Pool() {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
+      stop_.store(true);
     }
     cv_.notify_all();
     for (auto& t : threads_) t.join();
@@ -39,24 +54,28 @@ class Pool {
   int size() const { return static_cast<int>(threads_.size()) + 1; }
 
   void run(int64_t n, int64_t grain, const ChunkFn& fn) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      fn_ = &fn;
-      n_ = n;
-      grain_ = grain;
-      next_.store(0, std::memory_order_relaxed);
-      open_ = true;
-      ++generation_;
+    // Only one run at a time and none in flight: every helper that joined the last run has left
+    // (active_ == 0 below), so these plain fields are not read concurrently.
+    fn_ = &fn;
+    n_ = n;
+    grain_ = grain;
+    next_.store(0, std::memory_order_relaxed);
+    open_.store(true);                       // seq_cst: publishes the fields above
+    generation_.fetch_add(1);
+    if (sleepers_.load() > 0) {
+      // Pairs with the helper's check under the lock: it either saw the new generation or is
+      // already waiting on the condition variable when we notify.
+      { std::lock_guard<std::mutex> lock(mu_); }
+      cv_.notify_all();
     }
-    cv_.notify_all();
     work(fn, n, grain);
-    {
-      // Closed under the lock: a helper joins (active_++) only while open, so after this every
-      // helper that will ever touch fn is counted.
-      std::lock_guard<std::mutex> lock(mu_);
-      open_ = false;
+    // A helper joins (active_++) then re-checks open_: after this store and a zero count, no
+    // helper will ever touch fn.
+    open_.store(false);
+    for (int i = 1; active_.load() != 0; ++i) {
+      _mm_pause();
+      if ((i & 63) == 0) std::this_thread::yield();
     }
-    while (active_.load(std::memory_order_acquire) != 0) _mm_pause();
   }
 
  private:
@@ -68,21 +87,38 @@ class Pool {
     }
   }
 
-  void helper() {
-    uint64_t seen = 0;
-    for (;;) {
-      const ChunkFn* fn;
-      int64_t n, grain;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stop_ || (open_ && generation_ != seen); });
-        if (stop_) return;
-        seen = generation_;
-        active_.fetch_add(1, std::memory_order_relaxed);
-        fn = fn_, n = n_, grain = grain_;
+  // Waits for a generation other than `seen`: spinning first, then asleep.
+  uint64_t wait_for_work(uint64_t seen) {
+    using clock = std::chrono::steady_clock;
+    const auto deadline = clock::now() + std::chrono::duration<double, std::micro>(spin_us());
+    for (int i = 0;; ++i) {
+      const uint64_t g = generation_.load();
+      if (g != seen || stop_.load()) return g;
+      _mm_pause();
+      if ((i & 63) == 63) {
+        // Yield: free on an idle core, and on a loaded host the core goes to whoever is ready
+        // (the caller's own next step, or another process) instead of to our spinning.
+        std::this_thread::yield();
+        if (clock::now() > deadline) break;
       }
-      work(*fn, n, grain);
-      active_.fetch_sub(1, std::memory_order_release);
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    sleepers_.fetch_add(1);
+    cv_.wait(lock, [&] { return stop_.load() || generation_.load() != seen; });
+    sleepers_.fetch_sub(1);
+    return generation_.load();
+  }
+
+  void helper() {
+    uint64_t seen = generation_.load();
+    for (;;) {
+      seen = wait_for_work(seen);
+      if (stop_.load()) return;
+      active_.fetch_add(1);
+      if (open_.load()) {
+        work(*fn_, n_, grain_);
+      }
+      active_.fetch_sub(1);
     }
   }
 
@@ -92,9 +128,9 @@ class Pool {
   const ChunkFn* fn_ = nullptr;
   int64_t n_ = 0, grain_ = 1;
   std::atomic<int64_t> next_{0};
-  std::atomic<int> active_{0};
-  uint64_t generation_ = 0;
-  bool open_ = false, stop_ = false;
+  std::atomic<int> active_{0}, sleepers_{0};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> open_{false}, stop_{false};
 };
 
 }  // namespace
