@@ -149,6 +149,38 @@ def test_fused_attention_matches_torch_paged_attention_on_a_mixed_batch():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("context", [40, 300])
+@pytest.mark.parametrize("split_k", [True, False])
+def test_fused_attention_batch_one_split_over_keys(context, split_k):
+    """A lone decode token (head_dim 64) with two threads: its keys are split into ranges that
+    the threads attend separately, then merged (flash decoding); same result as torch."""
+    from workers.model.attention import (AttentionMetadata, fused_paged_attention,
+                                         paged_attention, prepare_attention, write_kv)
+    gen = torch.Generator().manual_seed(context)
+    heads, kv_heads, dim, block, blocks = 9, 3, 64, 16, 40
+    cache = torch.randn(2, blocks, block, kv_heads, dim, generator=gen)
+    table = torch.randperm(blocks, generator=gen)[:-(-(context + 1) // block)].tolist()
+    slot = table[context // block] * block + context % block
+    meta = AttentionMetadata(torch.tensor([slot]), torch.tensor([0, 1]),
+                             torch.tensor([context + 1]), torch.tensor([table]),
+                             max_seq_len=context + 1, max_query_len=1)
+    plan = prepare_attention(meta, block)
+    qkv = 3 * torch.randn(1, (heads + 2 * kv_heads) * dim, generator=gen)
+    q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    write_kv(cache, plan.slot_mapping, k.reshape(1, kv_heads, dim), v.reshape(1, kv_heads, dim))
+    expected = paged_attention(q.reshape(1, heads, dim), k.reshape(1, kv_heads, dim),
+                               v.reshape(1, kv_heads, dim), cache, plan).reshape(1, heads * dim)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    ext.set_tunable("attention_split_k", float(split_k))
+    try:
+        out = fused_paged_attention(ext, qkv, cache, plan, heads, kv_heads)
+    finally:
+        ext.set_tunable("attention_split_k", 1.0)
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_decoder_stack_matches_the_python_layers(mode):
     """The one-call C++ stack runs the same kernels in the same order as llama.py's layers."""

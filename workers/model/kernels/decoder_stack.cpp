@@ -3,6 +3,8 @@
 // step (py-spy). Same kernels, same order as the Python path in llama.py (tests compare them).
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <vector>
 
@@ -45,16 +47,30 @@ class DecoderStack {
                      const at::Tensor& block_tables) {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
     const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+    using clock = std::chrono::steady_clock;
+    auto mark = clock::now();
+    auto lap = [&](int phase) {   // per-phase wall time, only while profiling
+      if (!profiling_) return;
+      const auto now = clock::now();
+      profile_[phase] += std::chrono::duration<double>(now - mark).count();
+      mark = now;
+    };
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       at::Tensor qkv = run(x, l.qkv, kRmsNorm, l.input_norm, c10::nullopt);
+      lap(0);
       rope_write_kv(qkv, positions, cos, sin, kv_caches[i], slot_mapping, heads_, kv_heads_);
+      lap(1);
       at::Tensor attn = at::empty({x.size(0), heads_ * head_dim_}, x.options());
       paged_attention(qkv, token_rows, token_table_rows, token_lens, kv_caches[i], block_tables,
                       attn, heads_, kv_heads_, scale);
+      lap(2);
       run(attn, l.o, kNone, c10::nullopt, x);
+      lap(3);
       at::Tensor gate_up = run(x, l.gate_up, kRmsNorm, l.post_norm, c10::nullopt);
+      lap(4);
       run(gate_up, l.down, kSiluMul, c10::nullopt, x);
+      lap(5);
     }
     return x;
   }
@@ -67,6 +83,15 @@ class DecoderStack {
                  accumulate);
   }
 
+  // Seconds per phase (qkv, rope, attention, o, gate_up, down) summed over calls, while
+  // profiling is on (a diagnostic for benchmarks; off by default, no cost then).
+ public:
+  void set_profiling(bool on) { profiling_ = on; std::fill(profile_, profile_ + 6, 0.0); }
+  std::vector<double> profile() const { return std::vector<double>(profile_, profile_ + 6); }
+
+ private:
+  bool profiling_ = false;
+  double profile_[6] = {0, 0, 0, 0, 0, 0};
   int64_t heads_, kv_heads_, head_dim_;
   double eps_;
   std::vector<Layer> layers_;
@@ -77,6 +102,8 @@ void register_decoder_stack(pybind11::module& m) {
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &DecoderStack::add_layer)
+      .def("set_profiling", &DecoderStack::set_profiling)
+      .def("profile", &DecoderStack::profile)
       .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>());
 }
 

@@ -14,12 +14,17 @@
 namespace llmk {
 namespace {
 
+bool g_split_k = true;
+
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.stride(1) == 1, name,
               ": expected fp32 [rows, cols] with contiguous rows");
 }
 
 }  // namespace
+
+bool attention_split_k() { return g_split_k; }
+void set_attention_split_k(bool on) { g_split_k = on; }
 
 // out = w * x * rsqrt(mean(x^2) + eps), row by row (HF LlamaRMSNorm in fp32).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -133,17 +138,22 @@ static void attend_heads(const float* q, float* out, int64_t h0, int64_t h1, int
 // attend_heads for head_dim 64, one query head at a time with its query and output in eight
 // ymm registers: no per-key horizontal sum (four keys reduce together) and no output
 // load/store per key. ~1.8x fewer instructions; batch-1 attention was a quarter of a step.
+//
+// Keys [j0, j1) only; with `partial` (max, sum) per head go to partial[2 (h - h0)], and out gets
+// the unnormalised sum of exp(s - max) v, for a split-K combine (combine_partials).
 static void attend_heads_d64(const float* q, float* out, int64_t h0, int64_t h1, int64_t group,
                              const float* keys, const float* values, const int64_t* table,
-                             int64_t seq_len, int64_t block_size, int64_t token_stride,
-                             float scale, std::vector<float>& p) {
-  // Row offsets once per sequence, shared by every head, K and V: no division per key.
+                             int64_t j0, int64_t j1, int64_t block_size, int64_t token_stride,
+                             float scale, std::vector<float>& p, float* partial = nullptr) {
+  // Row offsets once per key range, shared by every head, K and V: no division per key.
+  // (offsets[j - j0] and p[j - j0]: the loops below index from the range start.)
+  const int64_t seq_len = j1 - j0;
   thread_local std::vector<int64_t> offsets;
   offsets.resize(seq_len);
-  for (int64_t start = 0; start < seq_len; start += block_size) {
-    const int64_t base = table[start / block_size] * block_size;
-    for (int64_t j = start; j < std::min(seq_len, start + block_size); ++j)
-      offsets[j] = (base + j - start) * token_stride;
+  for (int64_t j = j0; j < j1;) {
+    const int64_t block = j / block_size, stop = std::min(j1, (block + 1) * block_size);
+    const int64_t base = table[block] * block_size - block * block_size;
+    for (; j < stop; ++j) offsets[j - j0] = (base + j) * token_stride;
   }
   p.resize(seq_len + 4);
   for (int64_t h = h0; h < h1; ++h) {
@@ -185,8 +195,36 @@ static void attend_heads_d64(const float* q, float* out, int64_t h0, int64_t h1,
       const float* v = row(values, j);
       for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), acc[i]);
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / total);
+    const __m256 inv = _mm256_set1_ps(partial ? 1.0f : 1.0f / total);
     for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + h * 64 + 8 * i, _mm256_mul_ps(acc[i], inv));
+    if (partial) {
+      partial[2 * (h - h0)] = mx;
+      partial[2 * (h - h0) + 1] = total;
+    }
+  }
+}
+
+// Merges `parts` split-K partials of `heads` heads (d = 64): acc [parts][heads * 64]
+// unnormalised, stats [parts][heads][2] (max, sum) -> out [heads * 64].
+static void combine_partials(const float* acc, const float* stats, int64_t parts, int64_t heads,
+                             float* out) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float mx = -INFINITY;
+    for (int64_t s = 0; s < parts; ++s) mx = std::max(mx, stats[(s * heads + h) * 2]);
+    __m256 o[8];
+    for (int i = 0; i < 8; ++i) o[i] = _mm256_setzero_ps();
+    float total = 0.0f;
+    for (int64_t s = 0; s < parts; ++s) {
+      const float* st = stats + (s * heads + h) * 2;
+      if (st[1] == 0.0f) continue;   // an empty key range
+      const float w = std::exp(st[0] - mx);
+      total += w * st[1];
+      const __m256 wv = _mm256_set1_ps(w);
+      const float* a = acc + s * heads * 64 + h * 64;
+      for (int i = 0; i < 8; ++i) o[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(a + 8 * i), o[i]);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / total);
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + h * 64 + 8 * i, _mm256_mul_ps(o[i], inv));
   }
 }
 
@@ -224,7 +262,7 @@ void paged_attention(const at::Tensor& qkv, const at::Tensor& rows, const at::Te
       const int64_t* table = tables + table_idx[i] * block_tables.stride(0);
       if (d == 64)
         attend_heads_d64(qbase + r * qkv.stride(0), obase + r * out.stride(0), h0, h1, group,
-                         keys, values, table, lens[i], block_size, token_stride,
+                         keys, values, table, 0, lens[i], block_size, token_stride,
                          static_cast<float>(scale), p);
       else
         attend_heads(qbase + r * qkv.stride(0), obase + r * out.stride(0), h0, h1, group, d,
@@ -232,12 +270,45 @@ void paged_attention(const at::Tensor& qkv, const at::Tensor& rows, const at::Te
                      static_cast<float>(scale), p);
     }
   };
-  // One thread streams the fp32 cache at ~5 GB/s on a loaded host (K and V: 8 bytes per key
-  // element); fork only when that takes well over the ~15-20 us a wake-up costs (see qgemm.cpp).
-  // At batch 1 this is ~160 tokens of context, past which attention is a third of the step.
-  const double solo_us = total_keys * num_kv_heads * d * 8 / 5e3;
-  if (solo_us < 60.0) body(0, count * splits);
-  else parallel_chunks(count * splits, 1, body);
+  // One thread streams the fp32 cache at ~5-14 GB/s (K and V: 8 bytes per key element); fork
+  // only when that takes well over what handing work to a (spinning) helper costs.
+  const double solo_us = total_keys * num_kv_heads * d * 8 / 8e3;
+  const int threads = at::get_num_threads();
+  if (solo_us < 10.0 || threads <= 1) {
+    body(0, count * splits);
+    return;
+  }
+  if (d == 64 && count < threads && attention_split_k()) {
+    // Few sequences (batch-1 decode): split each one's keys into equal ranges, all heads per
+    // range, so every thread streams a disjoint part of the cache once; then merge (flash
+    // decoding). Splitting by KV head gave 3 tasks to 2 threads, and each head re-read nothing
+    // less than the whole context.
+    const int64_t parts = 2 * threads;
+    std::vector<float> acc(count * parts * num_heads * 64), stats(count * parts * num_heads * 2);
+    parallel_chunks(count * parts, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> p;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t i = task / parts, s = task % parts;
+        const int64_t j0 = lens[i] * s / parts, j1 = lens[i] * (s + 1) / parts;
+        float* st = stats.data() + task * num_heads * 2;
+        float* a = acc.data() + task * num_heads * 64;
+        if (j1 <= j0) {
+          for (int64_t h = 0; h < num_heads; ++h) st[2 * h] = -INFINITY, st[2 * h + 1] = 0.0f;
+          continue;
+        }
+        const int64_t* table = tables + table_idx[i] * block_tables.stride(0);
+        attend_heads_d64(qbase + row_idx[i] * qkv.stride(0), a, 0, num_heads, group, keys,
+                         values, table, j0, j1, block_size, token_stride,
+                         static_cast<float>(scale), p, st);
+      }
+    });
+    for (int64_t i = 0; i < count; ++i)
+      combine_partials(acc.data() + i * parts * num_heads * 64,
+                       stats.data() + i * parts * num_heads * 2, parts, num_heads,
+                       obase + row_idx[i] * out.stride(0));
+    return;
+  }
+  parallel_chunks(count * splits, 1, body);
 }
 
 }  // namespace llmk

@@ -4,6 +4,7 @@
 
 #include <functional>
 #include <optional>
+#include <string>
 
 namespace llmk {
 
@@ -11,6 +12,10 @@ using ChunkFn = std::function<void(int64_t, int64_t)>;
 
 // fn over [0, n) in chunks of `grain`, shared with the pool's helpers (pool.cpp).
 void parallel_chunks(int64_t n, int64_t grain, const ChunkFn& fn);
+
+bool attention_split_k();
+void set_attention_split_k(bool on);
+void set_tunable(const std::string& name, double value);
 
 enum Pre : int64_t { kNone = 0, kRmsNorm = 1, kSiluMul = 2 };
 

@@ -20,5 +20,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &llmk::silu_mul, release());
   m.def("rope_write_kv", &llmk::rope_write_kv, release());
   m.def("paged_attention", &llmk::paged_attention, release());
+  m.def("set_tunable", &llmk::set_tunable, "A/B knob for benchmarks (prefetch_bytes, ...)");
   llmk::register_decoder_stack(m);
 }
