@@ -122,6 +122,11 @@ int64_t g_prefetch_bytes = [] {
 
 inline int64_t prefetch_bytes() { return g_prefetch_bytes; }
 
+// A projection's output blocks are claimed in ~this many chunks: few, so each thread streams long
+// contiguous runs that its prefetches stay inside (A/B int4 decode @1: 32 -> 262, 8 -> 297-303,
+// 4 -> 300 tok/s), enough that a helper descheduled mid-chunk holds up at most 1/8.
+int64_t g_chunks = 8;
+
 inline void prefetch_lines(const void* p, int lines) {
   for (int i = 0; i < lines; ++i)
     _mm_prefetch(static_cast<const char*>(p) + 64 * i, _MM_HINT_T0);
@@ -254,6 +259,7 @@ namespace llmk {
 // A/B knobs for benchmarks (not thread-safe against a running kernel; set between calls).
 void set_tunable(const std::string& name, double value) {
   if (name == "prefetch_bytes") g_prefetch_bytes = static_cast<int64_t>(value);
+  else if (name == "qgemm_chunks") g_chunks = std::max<int64_t>(1, static_cast<int64_t>(value));
   else if (name == "attention_split_k") set_attention_split_k(value != 0.0);
   else TORCH_CHECK(false, "unknown tunable ", name);
 }
@@ -298,7 +304,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   // that one thread is faster (batch-1 qkv: 16 us alone, 31 us on two OpenMP threads).
   const double solo_us = tile_bytes * nb / 5e3 + static_cast<double>(m) * n * k / 50e3;
   if (solo_us < parallel_min_us()) body(0, nb);
-  else parallel_chunks(nb, std::max<int64_t>(1, nb / 32), body);
+  else parallel_chunks(nb, std::max<int64_t>(1, nb / g_chunks), body);
   return y;
 }
 
