@@ -23,7 +23,7 @@ import grpc
 
 from bench.environment import environment
 from llmmesh.launcher import Mesh
-from llmmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from llmmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 RESULTS = Path(__file__).parent / "results"
 KEYS = {"acme": "llmmesh-demo-acme", "globex": "llmmesh-demo-globex", "noisy": "bench-noisy-key"}
@@ -85,7 +85,8 @@ async def one(stub, req, tenant: str, t0: float) -> Result:
                 r.e2e_s = now - r.sent_s
                 u = msg.final.usage
                 r.usage = {"prompt": u.prompt_tokens, "cached": u.cached_prompt_tokens,
-                           "completion": u.completion_tokens}
+                           "completion": u.completion_tokens, "worker_queue_s": u.queue_seconds,
+                           "prefill_device_s": u.prefill_device_seconds}
     except grpc.aio.AioRpcError as exc:
         r.error = exc.code().name
     return r
@@ -150,7 +151,12 @@ async def priority_scenario(stub, args) -> dict:
             "batch_completed": len(batch_done), "batch_errors": sum(1 for r in flooded if r.error),
             "batch_tokens_during_interactive": batch_tokens_in_window,
             "ttfts_alone": [r.ttft_s for r in alone], "ttfts_flood": [
-                r.ttft_s for r in flooded if r.request_class == "interactive"]}
+                r.ttft_s for r in flooded if r.request_class == "interactive"],
+            # (TTFT, worker queue, prefill device seconds) per interactive request: where it went
+            "breakdown_alone": [(r.ttft_s, r.usage.get("worker_queue_s"), r.usage.get(
+                "prefill_device_s")) for r in alone],
+            "breakdown_flood": [(r.ttft_s, r.usage.get("worker_queue_s"), r.usage.get(
+                "prefill_device_s")) for r in flooded if r.request_class == "interactive"]}
 
 
 async def fairness_scenario(stub, args) -> dict:
@@ -203,6 +209,10 @@ async def with_mesh(args, policy: str, body) -> dict:
                 router_args=["--policy", policy], gateway_args=["--tenants", str(tenants)])
     try:
         await mesh.up(num_workers=2, timeout_s=300)
+        async with grpc.aio.insecure_channel(mesh.procs["worker0"].address) as channel:
+            load = await worker_pb2_grpc.WorkerServiceStub(channel).GetLoad(
+                worker_pb2.GetLoadRequest(), timeout=10)
+            args.weights = f"{load.device_type} {load.quantization}"
         async with grpc.aio.insecure_channel(mesh.procs["gateway"].address) as channel:
             return await body(gateway_pb2_grpc.GatewayServiceStub(channel), args)
     finally:
@@ -219,7 +229,8 @@ def report(res: dict, command: str) -> str:
     lines = [
         "# Scheduling benchmark", "", f"Command: `{command}`", "",
         f"Machine: {env['machine']}; load average at start {env['load_average_at_start']}; "
-        f"commit {env['commit']}; 2 workers (1 torch thread each), real SmolLM2-135M, fp32. Ratios matter; absolute "
+        f"commit {env['commit']}; 2 workers (1 torch thread each), real SmolLM2-135M, "
+        f"weights {res['args'].get('weights', '?')}. Ratios matter; absolute "
         "times drift on shared machines.", "",
         "## 1. Interactive under a batch flood", "",
         "| | p50 TTFT s | p95 TTFT s |", "|---|---|---|",
@@ -282,6 +293,9 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--placement-concurrency", type=int, default=8)
     p.add_argument("--kv-cache-mib", type=int, default=96)
     p.add_argument("--var-dir", default="var/bench-scheduling")
+    p.add_argument("--scenarios", nargs="+", default=["priority", "fairness", "placement"],
+                   choices=["priority", "fairness", "placement"],
+                   help="run a subset while iterating (the report needs all three)")
     p.add_argument("--out", default=str(RESULTS))
     return p.parse_args(argv)
 
@@ -290,12 +304,18 @@ async def main_async(args) -> dict:
     res = {"args": vars(args)}
 
     async def priority_and_fairness(stub, a):
-        return {"priority": await priority_scenario(stub, a),
-                "fairness": await fairness_scenario(stub, a)}
-    res.update(await with_mesh(args, "prefix-affinity", priority_and_fairness))
-    res["placement"] = {}
-    for policy in ("round-robin", "prefix-affinity"):
-        res["placement"][policy] = await with_mesh(args, policy, placement_run)
+        out = {}
+        if "priority" in a.scenarios:
+            out["priority"] = await priority_scenario(stub, a)
+        if "fairness" in a.scenarios:
+            out["fairness"] = await fairness_scenario(stub, a)
+        return out
+    if {"priority", "fairness"} & set(args.scenarios):
+        res.update(await with_mesh(args, "prefix-affinity", priority_and_fairness))
+    if "placement" in args.scenarios:
+        res["placement"] = {}
+        for policy in ("round-robin", "prefix-affinity"):
+            res["placement"][policy] = await with_mesh(args, policy, placement_run)
     return res
 
 
@@ -303,6 +323,9 @@ def main(argv=None) -> None:
     args = _args(argv)
     command = "python -m bench.scheduling " + " ".join(sys.argv[1:] if argv is None else argv)
     res = asyncio.run(main_async(args))
+    if len(args.scenarios) < 3:   # a partial run: print, do not overwrite the report
+        print(json.dumps({k: v for k, v in res.items() if k != "args"}, indent=1, default=str))
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "scheduling.json").write_text(json.dumps(res, indent=1, default=str))

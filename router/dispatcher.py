@@ -26,6 +26,7 @@ from router.registry import WorkerHandle, WorkerRegistry
 from router.relay import MAX_ATTEMPTS, RequestFailed, RequestProgress, record_usage, run_attempt
 
 log = logging.getLogger("router.dispatcher")
+HELD_RECHECK_MS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,14 +97,23 @@ class Dispatcher:
 
     async def _fill(self) -> None:
         room = self.config.prefetch - len(self.sched)
-        free, _ = self._slots()
+        free, total = self._slots()
         if room <= 0 or (len(self.sched) and free <= 0):
+            # Nothing can be read or nothing held can go: wait for a request to end.
             self._slot_freed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._slot_freed.wait(), 0.05)
             if room <= 0:
                 return
-        block = None if len(self.sched) and free > 0 else self.config.block_ms
+            block = None
+        elif self.sched.ready(free, total, self._batch_inflight):
+            block = None        # something goes now: only pick up what already arrived
+        elif len(self.sched):
+            # Held batch work waits for batch's share of the slots: a new interactive entry
+            # must still wake us at once, and a batch request ending is noticed within this.
+            block = min(self.config.block_ms, HELD_RECHECK_MS)
+        else:
+            block = self.config.block_ms
         streams = {queue.queue_stream(c): ">" for c in queue.CLASSES}
         reply = await self.redis.xreadgroup(queue.ROUTER_GROUP, self.config.consumer, streams,
                                             count=room, block=block)

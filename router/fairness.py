@@ -87,11 +87,21 @@ class ClassScheduler(Generic[T]):
             return False
         return self._recent.count("batch") / len(self._recent) < self.policy.batch_min_share
 
+    def _batch_room(self, total_slots: int, batch_inflight: int) -> bool:
+        return batch_inflight < self.policy.batch_max_slot_share * total_slots
+
+    def ready(self, free_slots: int, total_slots: int, batch_inflight: int) -> bool:
+        """Whether pop would hand out something now."""
+        if free_slots <= 0:
+            return False
+        return bool(len(self.queues["interactive"]) or (
+            len(self.queues["batch"]) and self._batch_room(total_slots, batch_inflight)))
+
     def pop(self, free_slots: int, total_slots: int, batch_inflight: int) -> tuple[str, T] | None:
         """Next (class, item) to dispatch given the fleet's slots, or None."""
         if free_slots <= 0:
             return None
-        batch_room = batch_inflight < self.policy.batch_max_slot_share * total_slots
+        batch_room = self._batch_room(total_slots, batch_inflight)
         order = ["interactive", "batch"]
         if len(self.queues["batch"]) and batch_room and self._batch_starved():
             order = ["batch", "interactive"]

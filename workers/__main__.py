@@ -47,6 +47,11 @@ def _args() -> argparse.Namespace:
     p.add_argument("--batch-tokens-with-interactive", type=int,
                    default=int(env("LLMMESH_BATCH_TOKENS_WITH_INTERACTIVE", "8")),
                    help="batch-class tokens per step while interactive requests are present (0: no cap)")
+    p.add_argument("--batch-step-budget-ms", type=float,
+                   default=float(env("LLMMESH_BATCH_STEP_BUDGET_MS", "50")),
+                   help="plan steps holding batch work to end within this time (0: no time cap)")
+    p.add_argument("--batch-nice", type=int, default=int(env("LLMMESH_BATCH_NICE", "10")),
+                   help="CPU: nice value for steps holding only batch work (0: off)")
     p.add_argument("--threads", type=int, default=int(env("LLMMESH_THREADS", "0")) or None)
     return p.parse_args()
 
@@ -91,7 +96,9 @@ async def main() -> None:
                           quantization=args.quantization,
                           block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
                           max_num_seqs=args.max_num_seqs, num_threads=args.threads,
-                          batch_tokens_with_interactive=args.batch_tokens_with_interactive)
+                          batch_tokens_with_interactive=args.batch_tokens_with_interactive,
+                          batch_step_budget_ms=args.batch_step_budget_ms or None,
+                          batch_nice=args.batch_nice or None)
     # Resolved here so the lease, spans and GetLoad report the mode actually loaded.
     quantization = resolve_quantization(config.quantization, config.device, config.torch_dtype)
     config = dataclasses.replace(config, quantization=quantization)

@@ -13,6 +13,12 @@ from workers.engine.async_engine import AsyncEngine
 from workers.engine.sampling import SamplingParams
 
 INTERACTIVE, BATCH = 0, 1
+# Batch-class tokens travel in chunks: nobody watches them arrive one by one, and every message
+# costs CPU in this worker, the router (a Redis XADD) and the gateway, which on a shared host is
+# taken from the engine's steps. A chunk goes out at this many tokens or this age, and always
+# before the final. Interactive tokens go out as they come.
+BATCH_CHUNK_TOKENS = 16
+BATCH_CHUNK_S = 0.25
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
            "abort": common_pb2.FINISH_REASON_CANCELLED}
 
@@ -82,17 +88,29 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         priority = BATCH if request.request_class == common_pb2.REQUEST_CLASS_BATCH else INTERACTIVE
         outputs = self.engine.generate(request.request_id, list(request.prompt_token_ids), sampling,
                                        priority=priority, cache_salt=request.cache_salt)
+        ids: list[int] = []
+        logprobs: list[float] = []
+        oldest = 0.0
         try:
             async for out in outputs:
                 if out.new_token_ids:
-                    yield worker_pb2.WorkerGenerateResponse(tokens=worker_pb2.WorkerTokens(
-                        index=index, token_ids=out.new_token_ids, logprobs=out.new_logprobs or []))
-                    index += len(out.new_token_ids)
+                    if not ids:
+                        oldest = time.monotonic()
+                    ids += out.new_token_ids
+                    logprobs += out.new_logprobs or []
                     if not out.finished and matcher.push(out.new_token_ids):
                         self.engine.abort(request.request_id)  # its final arrives as "abort"
                 if out.finished and out.finish_reason == "error":
-                    # An engine failure, not the request's fault: the router retries elsewhere.
+                    # An engine failure, not the request's fault: the router retries elsewhere
+                    # (from the tokens it already relayed; a held chunk is computed again).
                     raise Internal(f"engine error on worker {self.worker_id}: {out.error}")
+                if ids and (priority == INTERACTIVE or out.finished or matcher.matched
+                            or len(ids) >= BATCH_CHUNK_TOKENS
+                            or time.monotonic() - oldest >= BATCH_CHUNK_S):
+                    yield worker_pb2.WorkerGenerateResponse(tokens=worker_pb2.WorkerTokens(
+                        index=index, token_ids=ids, logprobs=logprobs))
+                    index += len(ids)
+                    ids, logprobs = [], []
                 if out.finished:
                     reason = "stop" if matcher.matched else out.finish_reason
                     yield self._final(reason, out.usage, span)

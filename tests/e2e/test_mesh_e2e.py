@@ -80,6 +80,24 @@ def test_two_tenants_two_classes_billed_as_told(mesh, gateway):
         assert r.xpending(queue.queue_stream(cls), queue.ROUTER_GROUP)["pending"] == 0
 
 
+def test_batch_tokens_come_in_chunks_interactive_ones_one_by_one(gateway):
+    """Batch streams are relayed in chunks (fewer messages through worker, router and gateway),
+    still numbered densely; interactive streams get every token as it is made."""
+    sizes = {}
+    for cls in (common_pb2.REQUEST_CLASS_BATCH, common_pb2.REQUEST_CLASS_INTERACTIVE):
+        req = _chat("Write a long story about a cat who learns to fly.", max_tokens=48,
+                    cls=cls)
+        chunks, _, final = _stream(gateway, req, "acme")
+        with_ids = [c for c in chunks if c.token_ids]
+        assert sum(len(c.token_ids) for c in with_ids) == final.usage.completion_tokens >= 24
+        assert [c.index for c in with_ids] == [
+            sum(len(c.token_ids) for c in with_ids[:i]) for i in range(len(with_ids))]
+        sizes[cls] = [len(c.token_ids) for c in with_ids]
+    assert max(sizes[common_pb2.REQUEST_CLASS_BATCH]) <= 16
+    assert len(sizes[common_pb2.REQUEST_CLASS_BATCH]) < sum(sizes[common_pb2.REQUEST_CLASS_BATCH]) / 2
+    assert set(sizes[common_pb2.REQUEST_CLASS_INTERACTIVE]) == {1}
+
+
 def _code(fn):
     with pytest.raises(grpc.RpcError) as info:
         fn()

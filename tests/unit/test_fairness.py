@@ -76,3 +76,22 @@ def test_batch_capped_below_the_fleet_so_interactive_finds_room():
     assert sched.pop(free_slots=5, total_slots=10, batch_inflight=5) == ("interactive", "i0")
     assert sched.pop(free_slots=5, total_slots=10, batch_inflight=4) == ("batch", "b0")
     assert sched.pop(free_slots=0, total_slots=10, batch_inflight=0) is None
+
+
+def test_ready_says_exactly_when_pop_would_hand_something_out():
+    """The router blocks on Redis only when nothing held can go (no busy loop over held batch
+    work that waits for its share of the slots)."""
+    sched = ClassScheduler[str](ClassPolicy(batch_min_share=0.0, batch_max_slot_share=0.5))
+    assert not sched.ready(free_slots=10, total_slots=10, batch_inflight=0)   # nothing held
+    sched.push("batch", "t", "b0", 10)
+    assert not sched.ready(free_slots=5, total_slots=10, batch_inflight=5)    # batch at its cap
+    assert not sched.ready(free_slots=0, total_slots=10, batch_inflight=0)    # no slots
+    assert sched.ready(free_slots=5, total_slots=10, batch_inflight=4)
+    sched.push("interactive", "t", "i0", 10)
+    assert sched.ready(free_slots=5, total_slots=10, batch_inflight=5)
+    for free, inflight in ((5, 5), (5, 4), (0, 0), (10, 0)):
+        state = sched.ready(free, 10, inflight)
+        got = sched.pop(free, 10, inflight)
+        assert state == (got is not None)
+        if got is not None:
+            sched.push(got[0], "t", got[1], 10)

@@ -239,3 +239,28 @@ def test_batch_share_guard_off_runs_everything():
     add(scheduler, "chat", 5, priority=I, arrival=10)
     out, _ = step(scheduler)
     assert sorted(plan(out)) == [("b0", 1), ("b1", 1), ("b2", 1), ("b3", 1), ("chat", 5)]
+
+
+def test_batch_steps_shrink_to_the_time_budget_once_step_cost_is_known():
+    config = EngineConfig(block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=256,
+                          max_batch_tokens_per_step=64, batch_step_budget_ms=50.0)
+    scheduler = Scheduler(config, CacheInfo(256, BLOCK, 1, 1024), frozenset({EOS}))
+    add(scheduler, "b0", 900, priority=B, max_tokens=20)
+    for _ in range(8):                              # 10 ms per token: 64 tokens is far over 50 ms
+        out, _ = step(scheduler, step_s=0.640)
+        assert plan(out) == [("b0", 64)]            # the model has not seen enough steps yet
+    out, _ = step(scheduler, step_s=0.080)
+    # 50 ms at 10 ms/token is 5 tokens; batch never drops below MIN_BATCH_TOKENS_PER_STEP.
+    assert plan(out) == [("b0", 8)]
+
+
+def test_cheap_steps_keep_the_token_cap_and_no_time_budget_means_no_time_cap():
+    for budget_ms, step_s_per_token in ((50.0, 0.0001), (None, 0.010)):
+        config = EngineConfig(block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=256,
+                              max_batch_tokens_per_step=64, batch_step_budget_ms=budget_ms)
+        scheduler = Scheduler(config, CacheInfo(256, BLOCK, 1, 1024), frozenset({EOS}))
+        add(scheduler, "b0", 900, priority=B, max_tokens=20)
+        for _ in range(10):
+            out, _ = step(scheduler, step_s=sum(out.num_scheduled_tokens) * step_s_per_token
+                          if scheduler.step_cost.num_steps else 0.01)
+            assert plan(out) == [("b0", 64)]

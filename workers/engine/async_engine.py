@@ -11,7 +11,7 @@ from llmmesh.errors import AlreadyExists
 from workers.engine.config import CacheInfo, EngineConfig
 from workers.engine.engine_core import EngineCore
 from workers.engine.outputs import EngineLoad, RequestOutput
-from workers.engine.request import Request
+from workers.engine.request import Priority, Request
 from workers.engine.sampling import SamplingParams
 from workers.model.llama import LlamaForCausalLM
 
@@ -68,6 +68,8 @@ class AsyncEngine:
                                     priority=priority, cache_salt=cache_salt)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = queue
+        if request.priority == Priority.INTERACTIVE:
+            core.priority.interactive_arrived()
         self._submit("add", request)
         finished = False
         try:

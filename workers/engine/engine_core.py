@@ -9,6 +9,7 @@ import torch
 from llmmesh.errors import InvalidArgument
 
 from workers.engine.config import CacheInfo, EngineConfig
+from workers.engine.cpu_priority import StepPriority
 from workers.engine.model_runner import ModelRunner
 from workers.engine.outputs import EngineLoad, RequestOutput
 from workers.engine.request import Priority, Request
@@ -31,6 +32,8 @@ class EngineCore:
         self.cache_info: CacheInfo = self.runner.cache_info
         self.scheduler = Scheduler(config, self.cache_info,
                                    frozenset({model.config.eos_token_id}))
+        self.priority = StepPriority(config.batch_nice if torch.device(config.device).type == "cpu"
+                                     else None)
 
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int],
                      sampling: SamplingParams, *, priority: int = Priority.INTERACTIVE,
@@ -66,6 +69,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
+        self.priority.set_for_step(all(r.priority == Priority.BATCH
+                                       for r in scheduler_output.requests))
         runner_output = self.runner.execute(scheduler_output)
         # The wall time of the whole step is billed, so per-request device-seconds add up to the
         # engine's busy time.

@@ -9,8 +9,10 @@ from workers.engine.config import CacheInfo, EngineConfig
 from workers.engine.kv_cache_manager import KVCacheManager
 from workers.engine.outputs import EngineLoad, ModelRunnerOutput, RequestOutput, RequestUsage
 from workers.engine.request import Priority, Request, RequestStatus
+from workers.engine.step_cost import StepCostModel
 
 MAX_LOAD_HASHES = 1024   # bounds the cache summary a load report carries to the router
+MIN_BATCH_TOKENS_PER_STEP = 8   # the time cap never stops batch work outright
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,9 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.batch_tokens_with_interactive = config.batch_tokens_with_interactive
         self.max_batch_tokens_per_step = config.max_batch_tokens_per_step
+        budget_ms = config.batch_step_budget_ms
+        self.batch_step_budget_s = None if budget_ms is None else budget_ms / 1e3
+        self.step_cost = StepCostModel()
         self.max_model_len = cache_info.max_model_len
         self.eos_token_ids = eos_token_ids
         self.kv = KVCacheManager(cache_info.num_blocks, cache_info.block_size,
@@ -88,7 +93,12 @@ class Scheduler:
         guard = self.batch_tokens_with_interactive
         interactive = any(r.priority == Priority.INTERACTIVE for r in self.running) or any(
             r.priority == Priority.INTERACTIVE for r in self.waiting)
-        return guard if guard and interactive else self.max_batch_tokens_per_step
+        cap = guard if guard and interactive else self.max_batch_tokens_per_step
+        if self.batch_step_budget_s is not None:
+            fit = self.step_cost.tokens_within(self.batch_step_budget_s)
+            if fit is not None:
+                cap = min(cap, max(MIN_BATCH_TOKENS_PER_STEP, fit))
+        return cap
 
     def schedule(self) -> SchedulerOutput:
         batch = _StepBatch(self.max_num_batched_tokens, self._batch_budget())
@@ -178,6 +188,7 @@ class Scheduler:
         """Advance each scheduled request by the step's result; return what to stream."""
         outputs = []
         total = scheduler_output.total_num_scheduled_tokens
+        self.step_cost.observe(total, step_s)
         for request, num_tokens in zip(scheduler_output.requests,
                                        scheduler_output.num_scheduled_tokens):
             if request.status != RequestStatus.RUNNING:
