@@ -17,7 +17,34 @@ ext = cpu_kernels()
 pytestmark = pytest.mark.skipif(ext is None,
                                 reason="CPU kernels unavailable (no AVX2 or no compiler)")
 
-SHAPES = [(1, 64, 96), (7, 100, 200), (32, 48, 576), (5, 13, 40), (64, 24, 1536)]
+SHAPES = [(1, 64, 96), (7, 100, 200), (32, 48, 576), (5, 13, 40), (64, 24, 1536), (9, 40, 64)]
+
+
+def _has_vnni() -> bool:
+    if ext is None:
+        return False
+    default = ext.vnni_mode()
+    try:
+        ext.set_tunable("vnni", 1.0)     # refused when the CPU lacks AVX-512 VNNI
+    except RuntimeError:
+        return False
+    ext.set_tunable("vnni", float(default))
+    return True
+
+
+_VNNI = _has_vnni()
+
+
+@pytest.fixture(params=["avx2", "avx512_vnni", "auto"])
+def isa(request):
+    """Each GEMM tile implementation this CPU can run: AVX2 always; AVX-512 VNNI (forced for
+    every call, int8 and int4) and the default per-call choice where the CPU has it."""
+    if request.param != "avx2" and not _VNNI:
+        pytest.skip("CPU has no AVX-512 VNNI")
+    default = ext.vnni_mode()
+    ext.set_tunable("vnni", {"avx2": 0.0, "avx512_vnni": 2.0, "auto": 1.0}[request.param])
+    yield request.param
+    ext.set_tunable("vnni", float(default))
 
 
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:
@@ -56,7 +83,7 @@ def run(mode: str, x: torch.Tensor, w: torch.Tensor, **kwargs) -> tuple[torch.Te
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("rows,n,k", SHAPES)
-def test_qgemm_matches_reference(mode, rows, n, k):
+def test_qgemm_matches_reference(mode, rows, n, k, isa):
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
     x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
     out, weight = run(mode, x, w)
@@ -66,7 +93,7 @@ def test_qgemm_matches_reference(mode, rows, n, k):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_qgemm_quantization_error_is_small_against_fp32(mode):
+def test_qgemm_quantization_error_is_small_against_fp32(mode, isa):
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(32, 576, generator=gen), torch.randn(200, 576, generator=gen)
     out, _ = run(mode, x, w)
@@ -75,7 +102,7 @@ def test_qgemm_quantization_error_is_small_against_fp32(mode):
     assert relative < {"int8": 0.02, "int4": 0.12}[mode]
 
 
-def test_fused_rms_norm_silu_and_residual():
+def test_fused_rms_norm_silu_and_residual(isa):
     gen = torch.Generator().manual_seed(2)
     x, w = torch.randn(7, 96, generator=gen), torch.randn(40, 96, generator=gen)
     norm_w = torch.rand(96, generator=gen) + 0.5
@@ -182,7 +209,7 @@ def test_fused_attention_batch_one_split_over_keys(context, split_k):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_decoder_stack_matches_the_python_layers(mode):
+def test_decoder_stack_matches_the_python_layers(mode, isa):
     """The one-call C++ stack runs the same kernels in the same order as llama.py's layers."""
     from workers.model import ModelConfig, allocate_kv_caches, build_random_model
     from workers.model.attention import AttentionMetadata

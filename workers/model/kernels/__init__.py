@@ -1,5 +1,10 @@
 """AVX2/FMA CPU kernels (int8/int4 GEMM, fused norm/RoPE/attention), compiled at first use.
 
+The build needs only AVX2/FMA/F16C; qgemm_vnni.cpp alone is compiled for AVX-512 VNNI (a
+target pragma) and is called only when cpuid reports avx512f/bw/vl/dq/vnni at run time, so one
+cached build is correct on every CPU (no ISA in the cache key needed: nothing in it assumes
+more than AVX2). `ext.isa()` says which GEMM tiles run; LLMMESH_KERNEL_ISA=avx2 forces AVX2.
+
 `cpu_kernels()` returns the extension module, or None when this CPU lacks AVX2/FMA/F16C or the
 build fails (a warning is logged once); callers then take the pure-torch path. The build takes
 ~1 min on a 2-core host and is cached under ~/.cache/llmmesh/kernels (LLMMESH_KERNEL_CACHE
@@ -17,7 +22,8 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("module.cpp", "pool.cpp", "qgemm.cpp", "fused_ops.cpp", "decoder_stack.cpp")
+_SOURCES = ("module.cpp", "pool.cpp", "qgemm.cpp", "qgemm_vnni.cpp", "fused_ops.cpp",
+            "decoder_stack.cpp")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG"]
 _REQUIRED_CPU_FLAGS = {"avx2", "fma", "f16c"}
 

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "qgemm_vnni.h"
 #include "vec_math.h"
 
 namespace {
@@ -36,6 +37,7 @@ struct QuantizedRows {
   std::vector<int8_t> q;    // [M][Kp]
   std::vector<float> scale; // [M][G]
   std::vector<float> sum;   // [M][G]: scale * sum(q) (the int4 min term needs it)
+  std::vector<int8_t> patterns;  // [M][G][256] for the VNNI tiles, empty otherwise
   int64_t kp = 0, groups = 0;
 };
 
@@ -83,7 +85,7 @@ void quantize_row(const float* row, int64_t groups, int8_t* q, float* scale, flo
 }
 
 QuantizedRows quantize_rows(const at::Tensor& x, int64_t k, Pre pre, const float* norm_w,
-                            float eps) {
+                            float eps, bool vnni, bool int4) {
   const int64_t m = x.size(0), stride = x.stride(0);
   QuantizedRows out;
   out.kp = (k + kBlock - 1) / kBlock * kBlock;
@@ -91,6 +93,7 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t k, Pre pre, const float
   out.q.resize(m * out.kp);
   out.scale.resize(m * out.groups);
   out.sum.resize(m * out.groups);
+  if (vnni) out.patterns.resize(m * out.groups * 256);
   const float* src = x.data_ptr<float>();
   llmk::parallel_chunks(m, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(out.kp);
@@ -98,6 +101,9 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t k, Pre pre, const float
       pre_row(src + r * stride, k, out.kp, pre, norm_w, eps, row.data());
       quantize_row(row.data(), out.groups, out.q.data() + r * out.kp,
                    out.scale.data() + r * out.groups, out.sum.data() + r * out.groups);
+      if (vnni)
+        llmk_vnni::build_patterns(out.q.data() + r * out.kp, out.groups, int4,
+                                  out.patterns.data() + r * out.groups * 256);
     }
   });
   return out;
@@ -128,6 +134,15 @@ inline int64_t prefetch_bytes() { return g_prefetch_bytes; }
 // contiguous runs that its prefetches stay inside (A/B int4 decode @1: 32 -> 262, 8 -> 297-303,
 // 4 -> 300 tok/s), enough that a helper descheduled mid-chunk holds up at most 1/8.
 int64_t g_chunks = 8;
+
+// AVX-512 VNNI tiles when the CPU has them (cpuid at first use), unless LLMMESH_KERNEL_ISA=avx2:
+// 0 = AVX2 only, 1 = VNNI where it measured faster (see qgemm), 2 = VNNI for every int8/int4
+// call (tests and A/B).
+const bool kVnniSupported = llmk_vnni::cpu_supported();
+int g_vnni = [] {
+  const char* env = std::getenv("LLMMESH_KERNEL_ISA");
+  return kVnniSupported && !(env && std::string(env) == "avx2") ? 1 : 0;
+}();
 
 inline void prefetch_lines(const void* p, int lines) {
   for (int i = 0; i < lines; ++i)
@@ -258,10 +273,16 @@ void run_tile(bool int4, const void* w, const uint16_t* sm, const QuantizedRows&
 
 namespace llmk {
 
+std::string qgemm_isa() { return g_vnni ? "avx512_vnni" : "avx2"; }
+int64_t qgemm_vnni_mode() { return g_vnni; }
+
 // A/B knobs for benchmarks (not thread-safe against a running kernel; set between calls).
 void set_tunable(const std::string& name, double value) {
   if (name == "prefetch_bytes") g_prefetch_bytes = static_cast<int64_t>(value);
-  else if (name == "qgemm_chunks") g_chunks = std::max<int64_t>(1, static_cast<int64_t>(value));
+  else if (name == "vnni") {
+    TORCH_CHECK(value == 0.0 || kVnniSupported, "this CPU has no AVX-512 VNNI");
+    g_vnni = static_cast<int>(value);
+  } else if (name == "qgemm_chunks") g_chunks = std::max<int64_t>(1, static_cast<int64_t>(value));
   else if (name == "attention_split_k") set_attention_split_k(value != 0.0);
   else TORCH_CHECK(false, "unknown tunable ", name);
 }
@@ -275,7 +296,15 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   TORCH_CHECK(x.size(1) == (pre == kSiluMul ? 2 * k : k), "x has ", x.size(1), " columns, K is ", k);
   const int64_t m = x.size(0), nb = (n + 7) / 8;
   const float* nw = pre == kRmsNorm ? norm_w.value().data_ptr<float>() : nullptr;
-  const QuantizedRows a = quantize_rows(x, k, static_cast<Pre>(pre), nw, static_cast<float>(eps));
+  // VNNI tiles only where they measured faster: int8 weights and a pattern buffer (8 bytes per
+  // activation byte) that stays in L2. Same-process A/B on the Xeon: int8 decode @1 166 -> 186
+  // tok/s; int4 decode @1 303 -> 296 and int4 prefill 1,320 -> 1,170 (M=128), 1,280 -> 530 (M in
+  // the hundreds: the patterns, re-read for every weight tile, fell out of L2).
+  const int64_t groups = (k + kBlock - 1) / kBlock;
+  const bool vnni = g_vnni == 2 ||
+                    (g_vnni == 1 && !int4 && x.size(0) * groups * 256 <= (256 << 10));
+  const QuantizedRows a = quantize_rows(x, k, static_cast<Pre>(pre), nw, static_cast<float>(eps),
+                                        vnni, int4);
   TORCH_CHECK(packed.numel() == nb * a.kp * 8 / (int4 ? 2 : 1), "packed weight size mismatch");
   at::Tensor y = out.has_value() ? out.value() : at::empty({m, n}, x.options());
   TORCH_CHECK(y.size(0) == m && y.size(1) == n && y.stride(1) == 1, "out must be [M, N] rows");
@@ -285,7 +314,24 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   const float* col_scale = int4 ? nullptr : scales.data_ptr<float>();
   float* ybase = y.data_ptr<float>();
   const int64_t ldo = y.stride(0);
+  const llmk_vnni::Acts acts{a.patterns.data(), a.scale.data(), a.sum.data(), a.groups};
+  auto body_vnni = [&](int64_t begin, int64_t end) {
+    alignas(32) float tmp[llmk_vnni::kMaxRows * 8];
+    __m256 acc[llmk_vnni::kMaxRows];
+    const int64_t pf = prefetch_bytes();
+    for (int64_t b = begin; b < end; ++b) {
+      const void* w = wbase + b * tile_bytes;
+      const uint16_t* smb = sm ? sm + b * a.groups * 16 : nullptr;
+      for (int64_t r0 = 0; r0 < m; r0 += llmk_vnni::kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(llmk_vnni::kMaxRows, m - r0));
+        llmk_vnni::tile(rows, int4, w, smb, acts, r0, tmp, pf);
+        for (int r = 0; r < rows; ++r) acc[r] = _mm256_load_ps(tmp + 8 * r);
+        store_tile(acc, rows, col_scale, ybase + r0 * ldo, ldo, b * 8, n, accumulate);
+      }
+    }
+  };
   auto body = [&](int64_t begin, int64_t end) {
+    if (vnni) return body_vnni(begin, end);
     __m256 acc[kMr];
     for (int64_t b = begin; b < end; ++b) {
       const void* w = wbase + b * tile_bytes;

@@ -1,0 +1,28 @@
+// AVX-512 VNNI tiles (qgemm_vnni.cpp): plain pointers only, no inline code, so this header is
+// safe to include from files compiled for AVX2.
+#pragma once
+#include <cstdint>
+
+namespace llmk_vnni {
+
+constexpr int kMaxRows = 8;   // activation rows per call of tile()
+
+struct Acts {
+  const int8_t* patterns;     // [M][groups][256] from build_patterns
+  const float* scale;         // [M][groups]
+  const float* sum;           // [M][groups]: scale * sum(q)
+  int64_t groups;
+};
+
+// True when this CPU has avx512f/bw/vl/dq/vnni (checked with cpuid, not compiler flags).
+bool cpu_supported();
+
+// One activation row's int8 blocks (groups x 32 bytes) -> groups x 256 pattern bytes.
+void build_patterns(const int8_t* q, int64_t groups, bool int4, int8_t* patterns);
+
+// out[r][8] = rows r0 .. r0 + rows - 1 (rows <= kMaxRows) against one 8-channel weight tile,
+// before the per-channel scale (int8) or with scale and min applied (int4), as the AVX2 tiles.
+void tile(int rows, bool int4, const void* w, const uint16_t* sm, const Acts& a, int64_t r0,
+          float* out, int64_t prefetch_bytes);
+
+}  // namespace llmk_vnni
