@@ -21,6 +21,7 @@ class PeerResult:
     decode_tps: dict[int, float] = field(default_factory=dict)
     e2e_tps: dict[int, float] = field(default_factory=dict)
     note: str = ""
+    fallbacks: list[str] = field(default_factory=list)
 
 
 def _run_json(argv: list[str], timeout_s: float, env: dict[str, str] | None = None) -> str:
@@ -41,7 +42,20 @@ def llamacpp(gguf_path: str, threads: int, concurrency: list[int], prompt_len: i
                        tries)
     result.note = ("best per cell of OMP_WAIT_POLICY=PASSIVE (best of the repeats) and unset "
                    "(spinning, one try)")
+    if result.fallbacks:
+        result.note += "; " + "; ".join(sorted(set(result.fallbacks)))
     return result
+
+
+def _run_with_repack_fallback(result: PeerResult, argv: list[str], no_repack: list[str],
+                              what: str, env: dict[str, str]) -> str:
+    try:
+        return _run_json(argv, 1800, env)
+    except subprocess.CalledProcessError as exc:
+        out = _run_json(argv + no_repack, 1800, env)
+        result.fallbacks.append(f"{what}: exit {exc.returncode} with weight repacking (the "
+                                f"default), timed with {' '.join(no_repack)}")
+        return out
 
 
 def _keep_best(table: dict[int, float], key: int, value: float) -> None:
@@ -51,21 +65,28 @@ def _keep_best(table: dict[int, float], key: int, value: float) -> None:
 def _llamacpp_once(result: PeerResult, env: dict[str, str], gguf_path: str, threads: int,
                    concurrency: list[int], prompt_len: int, new_tokens: int,
                    repeats: int) -> None:
-    bench = json.loads(_run_json(
-        [llamacpp_bin("llama-bench"), "-m", gguf_path, "-t", str(threads), "-p", str(prompt_len),
-         "-n", str(new_tokens), "-r", str(max(repeats, 2)), "-o", "json"], 1800, env))
-    for row in bench:
-        _keep_best(result.prefill_tps if row["n_gen"] == 0 else result.decode_tps, 1,
-                   row["avg_ts"])
+    # Prompt and generation as separate llama-bench runs: a -march=native build on a CPU with
+    # AMX crashed (SIGSEGV in ggml_backend_amx_mul_mat) on every multi-token batch with weight
+    # repacking on, while single-token decode with repacking is its fastest path. Each cell
+    # falls back to --repack 0 only if the default crashes, and the note says so.
+    base = [llamacpp_bin("llama-bench"), "-m", gguf_path, "-t", str(threads),
+            "-r", str(max(repeats, 2)), "-o", "json"]
+    for test in (["-p", str(prompt_len), "-n", "0"], ["-p", "0", "-n", str(new_tokens)]):
+        bench = json.loads(_run_with_repack_fallback(
+            result, base + test, ["--repack", "0"], "llama-bench " + " ".join(test), env))
+        for row in bench:
+            _keep_best(result.prefill_tps if row["n_gen"] == 0 else result.decode_tps, 1,
+                       row["avg_ts"])
     parallel = [n for n in concurrency if n > 1]
     if parallel:
         ctx = max(parallel) * (prompt_len + new_tokens) + 256
         for _ in range(repeats):
-            out = _run_json([llamacpp_bin("llama-batched-bench"), "-m", gguf_path,
-                             "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-kvu",
-                             "-npp", str(prompt_len), "-ntg", str(new_tokens),
-                             "-npl", ",".join(map(str, parallel)), "--output-format", "jsonl"],
-                            1800, env)
+            out = _run_with_repack_fallback(
+                result, [llamacpp_bin("llama-batched-bench"), "-m", gguf_path,
+                         "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-kvu",
+                         "-npp", str(prompt_len), "-ntg", str(new_tokens),
+                         "-npl", ",".join(map(str, parallel)), "--output-format", "jsonl"],
+                ["--no-repack"], "llama-batched-bench", env)
             for row in (json.loads(x) for x in out.splitlines() if x.startswith("{")):
                 n = row["pl"]
                 _keep_best(result.prefill_tps, n, row["speed_pp"])
