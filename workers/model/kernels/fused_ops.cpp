@@ -15,6 +15,7 @@ namespace llmk {
 namespace {
 
 bool g_split_k = true;
+bool g_attention_prefetch = true;
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.stride(1) == 1, name,
@@ -25,6 +26,7 @@ void check_rows(const at::Tensor& t, const char* name) {
 
 bool attention_split_k() { return g_split_k; }
 void set_attention_split_k(bool on) { g_split_k = on; }
+void set_attention_prefetch(bool on) { g_attention_prefetch = on; }
 
 // out = w * x * rsqrt(mean(x^2) + eps), row by row (HF LlamaRMSNorm in fp32).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -171,7 +173,17 @@ static void attend_heads_d64(const float* q, float* out, int64_t h0, int64_t h1,
       return _mm256_add_ps(a, b);
     };
     int64_t j = 0;
+    // The first head of a KV group reads its rows from L3/DRAM (the other heads of the group
+    // then find them in L1): prefetch a few keys ahead, 4 lines per 256-byte row.
+    const bool pf = g_attention_prefetch && (h == h0 || h % group == 0);
+    auto prefetch_row = [&](const float* base, int64_t jj) {
+      if (jj < seq_len)
+        for (int l = 0; l < 4; ++l)
+          _mm_prefetch(reinterpret_cast<const char*>(row(base, jj)) + 64 * l, _MM_HINT_T0);
+    };
     for (; j + 4 <= seq_len; j += 4) {
+      if (pf)
+        for (int u = 0; u < 4; ++u) prefetch_row(keys, j + 8 + u);
       const __m256 s01 = _mm256_hadd_ps(dot8(row(keys, j)), dot8(row(keys, j + 1)));
       const __m256 s23 = _mm256_hadd_ps(dot8(row(keys, j + 2)), dot8(row(keys, j + 3)));
       const __m256 s = _mm256_hadd_ps(s01, s23);   // per 128-bit lane: keys j..j+3
@@ -191,6 +203,7 @@ static void attend_heads_d64(const float* q, float* out, int64_t h0, int64_t h1,
     __m256 acc[8];
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
     for (j = 0; j < seq_len; ++j) {
+      if (pf) prefetch_row(values, j + 8);
       const __m256 w = _mm256_set1_ps(p[j]);
       const float* v = row(values, j);
       for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), acc[i]);

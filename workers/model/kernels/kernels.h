@@ -15,6 +15,7 @@ void parallel_chunks(int64_t n, int64_t grain, const ChunkFn& fn);
 
 bool attention_split_k();
 void set_attention_split_k(bool on);
+void set_attention_prefetch(bool on);
 std::string qgemm_isa();
 int64_t qgemm_vnni_mode();
 void set_tunable(const std::string& name, double value);

@@ -283,6 +283,7 @@ void set_tunable(const std::string& name, double value) {
     TORCH_CHECK(value == 0.0 || kVnniSupported, "this CPU has no AVX-512 VNNI");
     g_vnni = static_cast<int>(value);
   } else if (name == "qgemm_chunks") g_chunks = std::max<int64_t>(1, static_cast<int64_t>(value));
+  else if (name == "attention_prefetch") set_attention_prefetch(value != 0.0);
   else if (name == "attention_split_k") set_attention_split_k(value != 0.0);
   else TORCH_CHECK(false, "unknown tunable ", name);
 }
