@@ -1,7 +1,7 @@
 # llmmesh: `make up` runs the whole mesh, `make test` runs the tests. Each sets itself up.
 PY := .venv/bin/python
 
-.PHONY: up test test-fast venv protos clean bench bench-smoke bench-engine bench-scheduling
+.PHONY: up test test-fast venv protos clean bench bench-smoke bench-engine bench-scheduling bench-overhead
 
 venv:
 	@bash scripts/setup.sh
@@ -20,9 +20,14 @@ protos: venv
 
 # Benchmarks (bench/results/<profile>.md, PNGs, bench/curves/): minutes per profile; run on a
 # quiet machine. BENCH_ARGS passes options to every run, e.g. BENCH_ARGS="--scale 4".
-BENCH_PROFILES ?= overhead chatbot summarisation diurnal mixed curve
-bench: venv
+BENCH_PROFILES ?= chatbot summarisation diurnal mixed curve
+bench: venv bench-overhead
 	@for p in $(BENCH_PROFILES); do .venv/bin/llmmesh bench --profile $$p $(BENCH_ARGS) || exit 1; done
+
+# Mesh overhead: the mesh and its own worker called directly, alternating request by request
+# (~1 min); writes bench/results/overhead-paired.md.
+bench-overhead: venv
+	$(PY) -m bench.overhead
 
 # Our engine per weight mode vs llama.cpp vs HF transformers (same run, same threads): ~15 min;
 # writes bench/results/engine.md + .png. BENCH_ENGINE_ARGS="--quick" for a ~2 min smoke run.

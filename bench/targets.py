@@ -139,10 +139,20 @@ class WorkerTarget:
 
     name = "worker"
 
-    def __init__(self, var_dir: str, worker_args: list[str] | None = None):
-        self.mesh = Mesh(var_dir=var_dir, worker_args=list(worker_args or []))
+    def __init__(self, var_dir: str, worker_args: list[str] | None = None,
+                 attach_address: str = ""):
+        # attach_address: call a worker someone else started (bench.overhead pairs the mesh's
+        # own worker with the mesh); nothing is started or stopped here then.
+        self.attach_address = attach_address
+        self.mesh = None if attach_address else Mesh(var_dir=var_dir,
+                                                     worker_args=list(worker_args or []))
 
     async def start(self) -> None:
+        if self.attach_address:
+            self.channel = grpc.aio.insecure_channel(self.attach_address)
+            self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
+            self.loads = WorkerLoads([self.attach_address])
+            return
         self.mesh.start_redis()
         self.mesh.start_service("costd", "costd")
         await self.mesh.wait_ready(["costd"])
@@ -179,7 +189,8 @@ class WorkerTarget:
 
     async def stop(self) -> None:
         await _close(getattr(self, "loads", None), getattr(self, "channel", None))
-        await asyncio.to_thread(self.mesh.down)
+        if self.mesh is not None:
+            await asyncio.to_thread(self.mesh.down)
 
 
 class LlamaCppTarget:

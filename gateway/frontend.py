@@ -120,14 +120,18 @@ class Frontend:
 
     async def _enqueue(self, entry: queue.QueueEntry) -> None:
         stream = queue.queue_stream(entry.request_class)
-        if await self.redis.xlen(stream) >= self.config.max_queue_len:
-            raise ResourceExhausted(f"{entry.request_class} queue is full", retry_after_s=2.0)
         # One result stream per request id: claiming the id keeps two requests (or two
-        # tenants) from ever sharing a stream.
-        claimed = await self.redis.set(f"{queue.PREFIX}:req:{{{entry.request_id}}}",
-                                       entry.tenant_id, nx=True, ex=queue.RESULT_TTL_S)
+        # tenants) from ever sharing a stream. Queue length and claim in one round trip.
+        claim_key = f"{queue.PREFIX}:req:{{{entry.request_id}}}"
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xlen(stream)
+            pipe.set(claim_key, entry.tenant_id, nx=True, ex=queue.RESULT_TTL_S)
+            length, claimed = await pipe.execute()
         if not claimed:
             raise AlreadyExists(f"request_id {entry.request_id!r} was already used")
+        if length >= self.config.max_queue_len:
+            await self.redis.delete(claim_key)   # refused: the id may be used again
+            raise ResourceExhausted(f"{entry.request_class} queue is full", retry_after_s=2.0)
         await self.redis.xadd(stream, entry.encode())
 
     async def _relay(self, req: ValidRequest, request_class: str,

@@ -156,7 +156,7 @@ class Dispatcher:
 
     async def _serve(self, cls: str, entry_id: str, p: RequestProgress) -> None:
         e = p.entry
-        ended = await self._recover_progress(p)
+        ended, cancelled = await self._recover_progress(p)
         if ended is not None:  # a router died between ending the request and acknowledging it
             if ended["kind"] == "final":
                 outcome = {"finish_reason": ended["finish_reason"], "usage": ended["usage"]}
@@ -168,7 +168,7 @@ class Dispatcher:
         billed = False
         with self.tracer.start_as_current_span("router dispatch", context=ctx) as span:
             try:
-                reason, device = await self._attempts(p)
+                reason, device = await self._attempts(p, cancelled)
                 await self.redis.xadd(queue.result_stream(e.request_id),
                                       queue.final_event(reason, p.usage()))
                 record_usage(span, p, reason, device)
@@ -197,11 +197,11 @@ class Dispatcher:
             await self.admission.settle(Reservation(**e.reservation), used)
         await self.redis.xack(queue.queue_stream(cls), queue.ROUTER_GROUP, entry_id)
 
-    async def _attempts(self, p: RequestProgress) -> tuple[str, str]:
+    async def _attempts(self, p: RequestProgress, cancelled_early: bool) -> tuple[str, str]:
         e = p.entry
         if e.deadline_unix_ns and time.time_ns() >= e.deadline_unix_ns:
             raise RequestFailed("DEADLINE_EXCEEDED", "deadline passed while the request was queued")
-        if await self.redis.exists(queue.cancel_key(e.request_id)):
+        if cancelled_early:
             raise RequestFailed("CANCELLED", "request cancelled before it started")
         while p.attempts < MAX_ATTEMPTS:
             if p.cancelled:
@@ -222,20 +222,24 @@ class Dispatcher:
         await self.redis.xadd(queue.DEAD_LETTER_STREAM, p.entry.encode())
         raise RequestFailed("UNAVAILABLE", f"request failed on {MAX_ATTEMPTS} workers; retry later")
 
-    async def _recover_progress(self, p: RequestProgress) -> dict | None:
+    async def _recover_progress(self, p: RequestProgress) -> tuple[dict | None, bool]:
         """For an entry taken over from a dead router: continue after the tokens its result
-        stream already holds. When the request had in fact ended, its final or error event."""
-        events = await self.redis.xrange(queue.result_stream(p.entry.request_id))
+        stream already holds. Returns (the final or error event when the request had in fact
+        ended, whether the client cancelled before it started) from one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xrange(queue.result_stream(p.entry.request_id))
+            pipe.exists(queue.cancel_key(p.entry.request_id))
+            events, cancelled = await pipe.execute()
         for _, fields in events:
             event = queue.decode_event(fields)
             if event["kind"] in ("final", "error"):
-                return event
+                return event, bool(cancelled)
             if event["index"] == len(p.delivered):
                 p.delivered.extend(event["ids"])
         if p.delivered:
             log.info("request %s resumes after %d delivered tokens", p.entry.request_id,
                      len(p.delivered))
-        return None
+        return None, bool(cancelled)
 
     async def reclaim(self) -> None:
         """Heartbeat our own pending entries and take over those of routers that stopped."""

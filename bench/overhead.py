@@ -1,0 +1,146 @@
+"""What the mesh adds over its own worker called directly, measured in pairs.
+
+`python -m bench.overhead` starts one private mesh and sends requests alternately through the
+gateway (gateway -> Redis -> router -> worker -> router -> Redis -> gateway) and straight to
+that same worker over gRPC, one at a time, each pair in a random order. Both paths see the same
+process, the same machine load at nearly the same moment and equally fresh prompts (every
+request has its own document; only the chat template's opening is shared, and cached, on both
+paths), so the paired differences isolate the mesh. Running the two paths one after the other
+(the overhead profile of `python -m bench`) lets a neighbour's load swing decide the answer on a
+shared host. Writes bench/results/overhead-paired.{md,json} with the command that made them.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench.environment import environment
+from bench.profile import load_profile
+from bench.targets import MeshTarget, WorkerTarget
+from bench.workload import closed_loop
+from llmmesh.models import resolve_model
+from llmmesh.tokenizer import Tokenizer
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TARGET_TTFT_MS, TARGET_TPOT_MS = 5.0, 0.5
+
+
+async def _timed(target, spec) -> dict:
+    """TTFT and time per output token after the first, from the client's side."""
+    sent = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async for event in target.stream(spec):
+        if isinstance(event, int):
+            if event and first is None:
+                first = time.perf_counter()
+            if event:
+                last = time.perf_counter()
+                tokens += event
+    tpot = (last - first) / (tokens - 1) if tokens > 1 else None
+    return {"ttft_s": first - sent, "tpot_s": tpot, "tokens": tokens}
+
+
+async def measure(pairs: int, seed: int, worker_args: list[str]) -> dict:
+    profile = load_profile("overhead")
+    tok = Tokenizer.from_gguf(resolve_model().gguf_path)
+    specs = closed_loop(profile, tok, 1)
+    while len(specs) < 2 * pairs + 4:
+        specs += closed_loop(profile, tok, 1)
+    rng = random.Random(seed)
+    mesh = MeshTarget("var/bench-overhead", 1, worker_args)
+    await mesh.start()
+    direct = WorkerTarget("var/bench-overhead-direct", attach_address=mesh.worker_addresses[0])
+    await direct.start()
+    rows = []
+    try:
+        for spec in specs[:4]:                 # warm both paths (first calls, allocator)
+            await _timed(mesh, spec)
+            await _timed(direct, spec)
+        for i in range(pairs):
+            order = [("mesh", mesh), ("direct", direct)]
+            rng.shuffle(order)
+            row = {}
+            for j, (name, target) in enumerate(order):
+                row[name] = await _timed(target, specs[4 + 2 * i + j])
+            rows.append(row)
+    finally:
+        await direct.stop()
+        await mesh.stop()
+    return {"pairs": rows, "describe": mesh.describe()}
+
+
+def _ms(x: float | None) -> str:
+    return "–" if x is None else f"{x * 1e3:.1f}"
+
+
+def summarise(rows: list[dict]) -> dict:
+    out = {}
+    for metric in ("ttft_s", "tpot_s"):
+        pairs = [(r["mesh"][metric], r["direct"][metric]) for r in rows
+                 if r["mesh"][metric] is not None and r["direct"][metric] is not None]
+        diffs = [m - d for m, d in pairs]
+        out[metric] = {
+            "mesh_p50": statistics.median(m for m, _ in pairs),
+            "direct_p50": statistics.median(d for _, d in pairs),
+            "added_p50": statistics.median(diffs),
+            # Middle half of the paired differences: how much the reading moves.
+            "added_q1": statistics.quantiles(diffs, n=4)[0],
+            "added_q3": statistics.quantiles(diffs, n=4)[2],
+            "n": len(pairs)}
+    return out
+
+
+def report(result: dict, command: str, env: dict) -> str:
+    s = result["summary"]
+    lines = ["# Mesh overhead, paired", "",
+             f"- command: `{command}`",
+             f"- machine: {env['machine']}; load average at start {env['load_average_at_start']}; "
+             f"commit {env['commit']}",
+             f"- {result['describe']}; the mesh's worker also called directly; "
+             f"{s['ttft_s']['n']} pairs, one request at a time, random order within each pair",
+             "- request: the overhead profile's closed-loop shape (64-token prompt, 32 tokens, "
+             "greedy), a fresh document per request", "",
+             f"Issue 6 target: ≤ {TARGET_TTFT_MS:g} ms added p50 TTFT, ≤ {TARGET_TPOT_MS:g} ms "
+             "added per token. \"added\" is the median of the per-pair differences "
+             "(mesh − direct); q1–q3 is the middle half of those differences.", "",
+             "| metric | mesh p50 (ms) | direct p50 (ms) | added, median of pairs (ms) | q1 – q3 (ms) | target |",
+             "|---|---|---|---|---|---|"]
+    for metric, name, limit in (("ttft_s", "TTFT", TARGET_TTFT_MS),
+                                ("tpot_s", "time per output token", TARGET_TPOT_MS)):
+        m = s[metric]
+        added = m["added_p50"] * 1e3
+        lines.append(f"| {name} | {_ms(m['mesh_p50'])} | {_ms(m['direct_p50'])} | "
+                     f"{added:+.2f} | {m['added_q1'] * 1e3:+.2f} – {m['added_q3'] * 1e3:+.2f} | "
+                     f"≤ {limit:g} {'✅' if added <= limit else '❌'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.overhead")
+    p.add_argument("--pairs", type=int, default=60)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--worker-args", default="", help="extra worker flags, one string")
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args(argv)
+    command = "python -m bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
+    env = environment()
+    result = asyncio.run(measure(args.pairs, args.seed, args.worker_args.split()))
+    result["summary"] = summarise(result["pairs"])
+    result["environment"], result["command"] = env, command.strip()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "overhead-paired.json").write_text(json.dumps(result, indent=1))
+    text = report(result, command.strip(), env)
+    (out / "overhead-paired.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
