@@ -55,19 +55,25 @@ class DecoderStack {
       profile_[phase] += std::chrono::duration<double>(now - mark).count();
       mark = now;
     };
+    // Scratch outputs allocated once per call, not per layer (every layer has the same shapes).
+    const int64_t t = x.size(0);
+    at::Tensor qkv, attn = at::empty({t, heads_ * head_dim_}, x.options()), gate_up;
+    if (!layers_.empty()) {
+      qkv = at::empty({t, layers_[0].qkv.n}, x.options());
+      gate_up = at::empty({t, layers_[0].gate_up.n}, x.options());
+    }
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
-      at::Tensor qkv = run(x, l.qkv, kRmsNorm, l.input_norm, c10::nullopt);
+      into(x, l.qkv, kRmsNorm, l.input_norm, qkv);
       lap(0);
       rope_write_kv(qkv, positions, cos, sin, kv_caches[i], slot_mapping, heads_, kv_heads_);
       lap(1);
-      at::Tensor attn = at::empty({x.size(0), heads_ * head_dim_}, x.options());
       paged_attention(qkv, token_rows, token_table_rows, token_lens, kv_caches[i], block_tables,
                       attn, heads_, kv_heads_, scale);
       lap(2);
       run(attn, l.o, kNone, c10::nullopt, x);
       lap(3);
-      at::Tensor gate_up = run(x, l.gate_up, kRmsNorm, l.post_norm, c10::nullopt);
+      into(x, l.gate_up, kRmsNorm, l.post_norm, gate_up);
       lap(4);
       run(gate_up, l.down, kSiluMul, c10::nullopt, x);
       lap(5);
@@ -76,6 +82,12 @@ class DecoderStack {
   }
 
  private:
+  void into(const at::Tensor& input, const Projection& p, Pre pre, const at::Tensor& norm,
+            const at::Tensor& out) {
+    TORCH_CHECK(out.size(1) == p.n, "layers must share projection shapes");
+    qgemm(input, p.packed, p.scales, p.n, p.k, p.int4, pre, norm, eps_, out, false);
+  }
+
   at::Tensor run(const at::Tensor& input, const Projection& p, Pre pre,
                  const c10::optional<at::Tensor>& norm, c10::optional<at::Tensor> residual) {
     const bool accumulate = residual.has_value();

@@ -110,13 +110,12 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t k, Pre pre, const float
 }
 
 // Single-thread time (estimated, us) below which a kernel does not fork; env-tunable for A/B.
-double parallel_min_us() {
-  static const double value = [] {
-    const char* env = std::getenv("LLMMESH_PARALLEL_MIN_US");
-    return env ? std::atof(env) : 60.0;
-  }();
-  return value;
-}
+double g_parallel_min_us = [] {
+  const char* env = std::getenv("LLMMESH_PARALLEL_MIN_US");
+  return env ? std::atof(env) : 60.0;
+}();
+
+double parallel_min_us() { return g_parallel_min_us; }
 
 // Software prefetch distance in bytes ahead of the weight stream (LLMMESH_PREFETCH, 0 = off).
 // A batch-1 step streams ~90-130 MB of weights from DRAM; the hardware prefetchers alone
@@ -283,6 +282,7 @@ void set_tunable(const std::string& name, double value) {
     TORCH_CHECK(value == 0.0 || kVnniSupported, "this CPU has no AVX-512 VNNI");
     g_vnni = static_cast<int>(value);
   } else if (name == "qgemm_chunks") g_chunks = std::max<int64_t>(1, static_cast<int64_t>(value));
+  else if (name == "parallel_min_us") g_parallel_min_us = value;
   else if (name == "attention_prefetch") set_attention_prefetch(value != 0.0);
   else if (name == "attention_split_k") set_attention_split_k(value != 0.0);
   else TORCH_CHECK(false, "unknown tunable ", name);
