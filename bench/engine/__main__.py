@@ -79,7 +79,7 @@ def _header(args, argv: list[str], started: float, env: dict) -> list[str]:
         f"- machine: {env['machine']}; load average at start {env['load_average_at_start']}, "
         f"at end {load_end} (a shared host: compare rows of this run, not other runs)",
         f"- device (ours): {args.device}; threads: {args.threads} for every party; "
-        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}",
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; CPU GEMM tiles: {_kernel_isa()}",
         f"- workload: {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens, "
         f"{', '.join(map(str, args.concurrency))} concurrent sequences; best of {args.repeats}",
         f"- versions: python {env['python']}, torch {torch.__version__}, transformers "
@@ -90,6 +90,16 @@ def _header(args, argv: list[str], started: float, env: dict) -> list[str]:
         "is tg, @N S_TG; HF decode = (generate - one prefill) / tokens; ours counts pure-decode "
         "steps; end-to-end = generated tokens / wall time of the whole batch.",
     ]
+
+
+def _kernel_isa() -> str:
+    from workers.model.kernels import cpu_kernels
+    ext = cpu_kernels()
+    if ext is None:
+        return "none (torch fallback)"
+    isa = ext.isa()
+    return ("AVX-512 VNNI for int8 at small batch, AVX2 otherwise" if isa == "avx512_vnni"
+            else isa.upper())
 
 
 def _version(package: str) -> str:
