@@ -50,6 +50,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--batch-step-budget-ms", type=float,
                    default=float(env("LLMMESH_BATCH_STEP_BUDGET_MS", "50")),
                    help="plan steps holding batch work to end within this time (0: no time cap)")
+    p.add_argument("--batch-ms-with-interactive", type=float,
+                   default=float(env("LLMMESH_BATCH_MS_WITH_INTERACTIVE", "10")),
+                   help="predicted ms batch work may add to a step holding interactive work")
     p.add_argument("--batch-nice", type=int, default=int(env("LLMMESH_BATCH_NICE", "10")),
                    help="CPU: nice value for steps holding only batch work (0: off)")
     p.add_argument("--threads", type=int, default=int(env("LLMMESH_THREADS", "0")) or None)
@@ -98,6 +101,7 @@ async def main() -> None:
                           max_num_seqs=args.max_num_seqs, num_threads=args.threads,
                           batch_tokens_with_interactive=args.batch_tokens_with_interactive,
                           batch_step_budget_ms=args.batch_step_budget_ms or None,
+                          batch_ms_with_interactive=args.batch_ms_with_interactive,
                           batch_nice=args.batch_nice or None)
     # Resolved here so the lease, spans and GetLoad report the mode actually loaded.
     quantization = resolve_quantization(config.quantization, config.device, config.torch_dtype)

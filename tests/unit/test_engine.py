@@ -262,3 +262,22 @@ def test_interactive_priority_reaches_the_engine(model):
     core.add_request(core.make_request("batch", [1, 2], GREEDY, priority=Priority.BATCH))
     core.add_request(core.make_request("chat", [3, 4], GREEDY, priority=Priority.INTERACTIVE))
     assert [o.request_id for o in core.step()] == ["chat"]
+
+
+def test_calibration_teaches_the_step_model_and_leaves_nothing_behind(model, reference):
+    core = EngineCore(engine_config(), model)
+    assert not core.scheduler.step_cost.ready
+    core.calibrate()
+    fixed, per_token, per_kkey = core.scheduler.step_cost.coefficients()
+    assert core.scheduler.step_cost.ready and per_token > 0 and fixed >= 0 and per_kkey >= 0
+    pool = core.scheduler.kv.pool
+    assert not core.has_work() and not core.scheduler.requests
+    assert pool.num_free_blocks == pool.num_blocks            # nothing in use (cached is free)
+    assert core.load().prefix_cache_hit_rate == 0.0
+    # Its cache salt is its own: a user's prompt never hits calibration blocks.
+    tokens, finals = run_core(core, {"a": [5, 6, 7, 8, 9, 10, 11, 12, 13]})
+    assert finals["a"].usage.cached_prompt_tokens == 0
+    assert tokens["a"] == reference([5, 6, 7, 8, 9, 10, 11, 12, 13])
+    with pytest.raises(RuntimeError):
+        core.add_request(core.make_request("busy", [1, 2, 3], GREEDY))
+        core.calibrate()

@@ -241,26 +241,65 @@ def test_batch_share_guard_off_runs_everything():
     assert sorted(plan(out)) == [("b0", 1), ("b1", 1), ("b2", 1), ("b3", 1), ("chat", 5)]
 
 
-def test_batch_steps_shrink_to_the_time_budget_once_step_cost_is_known():
+def _teach(scheduler: Scheduler, fixed: float, per_token: float, per_kkey: float) -> None:
+    """Give the step-time model exact costs (as if it had timed these steps)."""
+    for tokens, keys in [(1, 50), (8, 9000), (16, 2000), (32, 600), (64, 40000), (4, 30000)] * 3:
+        scheduler.step_cost.observe(tokens, keys, fixed + per_token * tokens + per_kkey * keys / 1e3)
+
+
+def _time_capped(budget_ms=50.0, with_interactive_ms=10.0, blocks=1024):
     config = EngineConfig(block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=256,
-                          max_batch_tokens_per_step=64, batch_step_budget_ms=50.0)
-    scheduler = Scheduler(config, CacheInfo(256, BLOCK, 1, 1024), frozenset({EOS}))
+                          max_batch_tokens_per_step=64, batch_step_budget_ms=budget_ms,
+                          batch_ms_with_interactive=with_interactive_ms)
+    return Scheduler(config, CacheInfo(blocks, BLOCK, 1, 4096), frozenset({EOS}))
+
+
+def test_batch_prefill_chunk_shrinks_to_the_time_budget():
+    scheduler = _time_capped()
     add(scheduler, "b0", 900, priority=B, max_tokens=20)
-    for _ in range(8):                              # 10 ms per token: 64 tokens is far over 50 ms
-        out, _ = step(scheduler, step_s=0.640)
-        assert plan(out) == [("b0", 64)]            # the model has not seen enough steps yet
-    out, _ = step(scheduler, step_s=0.080)
-    # 50 ms at 10 ms/token is 5 tokens; batch never drops below MIN_BATCH_TOKENS_PER_STEP.
-    assert plan(out) == [("b0", 8)]
+    out = scheduler.schedule()
+    assert plan(out) == [("b0", 64)]              # the model knows nothing yet: token cap
+    scheduler = _time_capped()
+    add(scheduler, "b0", 900, priority=B, max_tokens=20)
+    _teach(scheduler, fixed=0.010, per_token=0.002, per_kkey=0.0)
+    # (50 - 10) ms at 2 ms per token: 20 tokens.
+    assert plan(scheduler.schedule()) == [("b0", 20)]
 
 
-def test_cheap_steps_keep_the_token_cap_and_no_time_budget_means_no_time_cap():
-    for budget_ms, step_s_per_token in ((50.0, 0.0001), (None, 0.010)):
-        config = EngineConfig(block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=256,
-                              max_batch_tokens_per_step=64, batch_step_budget_ms=budget_ms)
-        scheduler = Scheduler(config, CacheInfo(256, BLOCK, 1, 1024), frozenset({EOS}))
+def test_cheap_steps_keep_the_token_cap_and_no_budget_means_no_time_cap():
+    for budget_ms, per_token in ((50.0, 0.0001), (None, 0.010)):
+        scheduler = _time_capped(budget_ms)
         add(scheduler, "b0", 900, priority=B, max_tokens=20)
-        for _ in range(10):
-            out, _ = step(scheduler, step_s=sum(out.num_scheduled_tokens) * step_s_per_token
-                          if scheduler.step_cost.num_steps else 0.01)
-            assert plan(out) == [("b0", 64)]
+        _teach(scheduler, fixed=0.001, per_token=per_token, per_kkey=0.0)
+        assert plan(scheduler.schedule()) == [("b0", 64)]
+
+
+def _long_context_decoders(scheduler: Scheduler, count: int, context: int) -> None:
+    for i in range(count):
+        add(scheduler, f"b{i}", context, priority=B, arrival=i, max_tokens=50)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.running) \
+            or scheduler.waiting:
+        step(scheduler, step_s=0.0)   # prefill with the model off (0 s steps are not observed)
+
+
+def test_long_context_batch_decodes_ride_along_with_a_chat_only_within_its_time_share():
+    scheduler = _time_capped(with_interactive_ms=12.0, blocks=4096)
+    _long_context_decoders(scheduler, 3, 2000)
+    # Each decode at a 2,000-token context: 1 ms + 4 ms of attention.
+    _teach(scheduler, fixed=0.004, per_token=0.001, per_kkey=0.002)
+    out = scheduler.schedule()                   # no user waiting: all three fit in 50 ms
+    assert plan(out) == [("b0", 1), ("b1", 1), ("b2", 1)]
+    scheduler.update_from_output(out, ModelRunnerOutput({f"b{i}": TOKEN for i in range(3)}), 0.0)
+    add(scheduler, "chat", 5, priority=I, arrival=10, first_token=30000)
+    out = scheduler.schedule()
+    # 12 ms for batch beside the user's prefill: two long decodes (2 x 5 ms), not three.
+    assert plan(out) == [("b0", 1), ("b1", 1), ("chat", 5)]
+    assert all(r.status == RequestStatus.RUNNING for r in scheduler.running)
+
+
+def test_the_first_batch_request_always_advances_even_over_budget():
+    scheduler = _time_capped(with_interactive_ms=0.0, blocks=4096)
+    _long_context_decoders(scheduler, 2, 2000)
+    _teach(scheduler, fixed=0.004, per_token=0.001, per_kkey=0.002)
+    add(scheduler, "chat", 5, priority=I, arrival=10, first_token=30000)
+    assert plan(scheduler.schedule()) == [("b0", 1), ("chat", 5)]

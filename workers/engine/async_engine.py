@@ -41,6 +41,8 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         # Loading weights and allocating the KV cache take seconds: keep them off the loop.
         self._core = await asyncio.to_thread(EngineCore, self.config, self._model)
+        if self.config.calibrate:
+            await asyncio.to_thread(self._core.calibrate)
         self._load = self._core.load()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="llmmesh-engine", daemon=True)

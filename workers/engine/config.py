@@ -36,11 +36,17 @@ class EngineConfig:
     # prefill chunk started just before a user's request arrives is what that user waits for;
     # 64 tokens keep such a step short on CPU at a small cost in batch prefill efficiency.
     max_batch_tokens_per_step: int = 64
-    # ...and, from a step-time model fitted online (workers/engine/step_cost.py), as many as
-    # keep a step with batch work in it within this many milliseconds: what an interactive
-    # arrival waits for the step in flight, on any device. Batch still gets at least
-    # MIN_BATCH_TOKENS_PER_STEP per step. None turns the time cap off.
+    # ...and, from a step-time model fitted online (workers/engine/step_cost.py: tokens and
+    # KV keys attended), as much as keeps a step with batch work in it within this many
+    # milliseconds: what an interactive arrival waits for the step in flight, on any device.
+    # None turns the time caps off (the token caps still apply).
     batch_step_budget_ms: float | None = 50.0
+    # While interactive work is present, the predicted time batch work may add to a step (a
+    # long-context batch decode reads its whole KV cache: ~90 MB at 2,000 tokens here). The
+    # first batch request of every step still advances, so batch is slowed, never starved.
+    batch_ms_with_interactive: float = 10.0
+    # Run EngineCore.calibrate() at start-up (warm-up + the step-time model's anchor).
+    calibrate: bool = True
     # Nice value of the step thread while a step holds only batch-class work (CPU devices;
     # workers/engine/cpu_priority.py). None or 0: steps always run at the normal priority.
     batch_nice: int | None = 10
@@ -66,6 +72,8 @@ class EngineConfig:
             raise ValueError("batch_tokens_with_interactive must be >= 0")
         if self.batch_nice is not None and not 0 <= self.batch_nice <= 19:
             raise ValueError("batch_nice must be in [0, 19] when set")
+        if self.batch_ms_with_interactive < 0:
+            raise ValueError("batch_ms_with_interactive must be >= 0")
         if self.batch_step_budget_ms is not None and self.batch_step_budget_ms <= 0:
             raise ValueError("batch_step_budget_ms must be positive when set")
         for name in ("num_gpu_blocks", "max_model_len", "num_threads"):

@@ -1,6 +1,7 @@
 """The synchronous engine: one step is schedule -> execute -> update."""
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Sequence
 
@@ -76,6 +77,36 @@ class EngineCore:
         # engine's busy time.
         return self.scheduler.update_from_output(scheduler_output, runner_output,
                                                  time.perf_counter() - started)
+
+    def calibrate(self, seed: int = 0) -> None:
+        """Warm-up run that also teaches the scheduler's step-time model what a token and a
+        key of context cost (workers/engine/step_cost.py): a short prefill and single-sequence
+        decodes, eight sequences decoding together, and a long prompt decoded at its full
+        context. Seconds on a CPU; leaves no request, no block in use and no statistic behind.
+        """
+        if self.has_work():
+            raise RuntimeError("calibrate runs before any request is admitted")
+        rng = random.Random(seed)
+        capacity = min(self.cache_info.max_model_len, self.cache_info.num_blocks
+                       * self.cache_info.block_size // 2)
+        plans = [(1, 64, 8), (8, 16, 8), (1, 1024, 8)]
+        model = self.scheduler.step_cost
+        model.calibrating = True
+        try:
+            for k, (count, prompt_len, new_tokens) in enumerate(plans):
+                prompt_len = min(prompt_len, max(1, capacity // max(count, 1) - new_tokens - 1))
+                if prompt_len < 1:
+                    continue
+                params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+                for i in range(count):
+                    ids = [rng.randrange(self.vocab_size) for _ in range(prompt_len)]
+                    self.add_request(self.make_request(f"calibrate-{k}-{i}", ids, params,
+                                                       cache_salt="calibrate"))
+                while self.has_work():
+                    self.step()
+        finally:
+            model.calibrating = False
+            self.scheduler.reset_statistics()
 
     def fail_running(self, error: str) -> list[RequestOutput]:
         """End every running request with an error (after a failed step, their KV is suspect)."""

@@ -9,10 +9,9 @@ from workers.engine.config import CacheInfo, EngineConfig
 from workers.engine.kv_cache_manager import KVCacheManager
 from workers.engine.outputs import EngineLoad, ModelRunnerOutput, RequestOutput, RequestUsage
 from workers.engine.request import Priority, Request, RequestStatus
-from workers.engine.step_cost import StepCostModel
+from workers.engine.step_cost import StepCostModel, keys_attended
 
 MAX_LOAD_HASHES = 1024   # bounds the cache summary a load report carries to the router
-MIN_BATCH_TOKENS_PER_STEP = 8   # the time cap never stops batch work outright
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,24 +31,38 @@ class SchedulerOutput:
 
 
 class _StepBatch:
-    """The batch being built: token counts per request and what is left of the token budgets
-    (the step's, and batch-class work's own while interactive requests are present)."""
+    """The batch being built: token counts per request and what is left of the budgets — the
+    step's tokens, batch-class work's own tokens, and (once the step-time model is fitted) the
+    seconds batch work may still add to the step."""
 
-    def __init__(self, budget: int, batch_budget: int) -> None:
+    def __init__(self, budget: int, batch_budget: int, cost: StepCostModel | None = None,
+                 batch_time_s: float | None = None) -> None:
         self.budget = budget
         self.batch_budget = batch_budget
+        self.cost = cost if cost is not None and cost.ready and batch_time_s is not None else None
+        self.batch_time_s = batch_time_s or 0.0
         self.num_tokens: dict[str, tuple[Request, int]] = {}
+        self._batch_cost: dict[str, float] = {}
 
-    def room(self, request: Request) -> int:
-        if request.priority == Priority.BATCH:
-            return min(self.budget, self.batch_budget)
-        return self.budget
+    def room(self, request: Request, start: int) -> int:
+        """Tokens `request` may add at offset `start` (its computed or cached tokens)."""
+        if request.priority != Priority.BATCH:
+            return self.budget
+        room = min(self.budget, self.batch_budget)
+        if self.cost is not None:
+            # Whatever the prediction, the first batch request of a step always advances.
+            floor = 0 if self._batch_cost else 1
+            room = min(room, max(floor, self.cost.tokens_within(start, self.batch_time_s)))
+        return room
 
-    def add(self, request: Request, num_tokens: int) -> None:
+    def add(self, request: Request, num_tokens: int, start: int) -> None:
         self.num_tokens[request.request_id] = (request, num_tokens)
         self.budget -= num_tokens
         if request.priority == Priority.BATCH:
             self.batch_budget -= num_tokens
+            cost = self.cost.cost(start, num_tokens) if self.cost is not None else 0.0
+            self._batch_cost[request.request_id] = cost
+            self.batch_time_s -= cost
 
     def discard(self, request: Request) -> None:
         entry = self.num_tokens.pop(request.request_id, None)
@@ -57,6 +70,7 @@ class _StepBatch:
             self.budget += entry[1]
             if request.priority == Priority.BATCH:
                 self.batch_budget += entry[1]
+                self.batch_time_s += self._batch_cost.pop(request.request_id, 0.0)
 
 
 class Scheduler:
@@ -68,6 +82,7 @@ class Scheduler:
         self.max_batch_tokens_per_step = config.max_batch_tokens_per_step
         budget_ms = config.batch_step_budget_ms
         self.batch_step_budget_s = None if budget_ms is None else budget_ms / 1e3
+        self.batch_s_with_interactive = config.batch_ms_with_interactive / 1e3
         self.step_cost = StepCostModel()
         self.max_model_len = cache_info.max_model_len
         self.eos_token_ids = eos_token_ids
@@ -89,19 +104,21 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def _batch_budget(self) -> int:
-        guard = self.batch_tokens_with_interactive
+    def _new_batch(self) -> _StepBatch:
         interactive = any(r.priority == Priority.INTERACTIVE for r in self.running) or any(
             r.priority == Priority.INTERACTIVE for r in self.waiting)
-        cap = guard if guard and interactive else self.max_batch_tokens_per_step
-        if self.batch_step_budget_s is not None:
-            fit = self.step_cost.tokens_within(self.batch_step_budget_s)
-            if fit is not None:
-                cap = min(cap, max(MIN_BATCH_TOKENS_PER_STEP, fit))
-        return cap
+        guard = self.batch_tokens_with_interactive
+        tokens = guard if guard and interactive else self.max_batch_tokens_per_step
+        seconds = None
+        if self.batch_step_budget_s is not None and self.step_cost.ready:
+            if interactive:
+                seconds = self.batch_s_with_interactive
+            else:
+                seconds = self.batch_step_budget_s - self.step_cost.predict(0, 0)
+        return _StepBatch(self.max_num_batched_tokens, tokens, self.step_cost, seconds)
 
     def schedule(self) -> SchedulerOutput:
-        batch = _StepBatch(self.max_num_batched_tokens, self._batch_budget())
+        batch = self._new_batch()
         preempted: list[Request] = []
         self._schedule_running(batch, preempted)
         # A step that had to preempt is short of blocks: admitting now would only thrash.
@@ -119,7 +136,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and batch.budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, batch.room(request))
+            start = request.num_computed_tokens
+            num_new = min(request.num_tokens - start, batch.room(request, start))
             if num_new <= 0:  # batch work past its share of this step: it waits one step
                 i += 1
                 continue
@@ -130,7 +148,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                batch.add(request, num_new)
+                batch.add(request, num_new, start)
                 i += 1
 
     def _schedule_waiting(self, batch: _StepBatch, preempted: list[Request]) -> None:
@@ -140,7 +158,7 @@ class Scheduler:
                     and not self._preempt_lower_priority(request, batch, preempted)):
                 return
             hits, num_cached = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_cached, batch.room(request))
+            num_new = min(request.num_tokens - num_cached, batch.room(request, num_cached))
             if num_new <= 0:
                 return
             while self.kv.allocate_slots(request, num_new, hits) is None:
@@ -148,7 +166,7 @@ class Scheduler:
                     return   # strict order: nobody overtakes the head of the queue
             self.waiting.pop(0)
             self._admit(request, num_cached)
-            batch.add(request, num_new)
+            batch.add(request, num_new, num_cached)
 
     def _preempt_lower_priority(self, request: Request, batch: _StepBatch,
                                 preempted: list[Request]) -> bool:
@@ -188,7 +206,9 @@ class Scheduler:
         """Advance each scheduled request by the step's result; return what to stream."""
         outputs = []
         total = scheduler_output.total_num_scheduled_tokens
-        self.step_cost.observe(total, step_s)
+        self.step_cost.observe(total, sum(
+            keys_attended(r.num_computed_tokens, n) for r, n in zip(
+                scheduler_output.requests, scheduler_output.num_scheduled_tokens)), step_s)
         for request, num_tokens in zip(scheduler_output.requests,
                                        scheduler_output.num_scheduled_tokens):
             if request.status != RequestStatus.RUNNING:
@@ -257,6 +277,11 @@ class Scheduler:
                             request.num_output_tokens, request.prefill_device_s,
                             request.decode_device_s, admitted - request.arrival_time,
                             request.num_preemptions)
+
+    def reset_statistics(self) -> None:
+        """Forget the prefix-cache hit counters (after a warm-up run)."""
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
 
     def load(self) -> EngineLoad:
         pool = self.kv.pool

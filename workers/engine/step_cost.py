@@ -1,67 +1,100 @@
-"""How long a step takes for how many tokens: an online fit the scheduler plans step width with.
+"""How long a step takes for what it holds: an online fit the scheduler plans step width with.
 
 A step cannot be interrupted, so an interactive request that arrives while a wide batch step
-runs waits for all of it. Capping batch work by *time* rather than by a fixed token count keeps
-that wait bounded on any device: the same cap in tokens is ~10 ms on a GPU and ~150 ms on one
-CPU thread. The model is a line, step_s = fixed + per_token * tokens, fitted by least squares
-with exponential forgetting so it follows load changes (another process taking a core, a
-longer context) within a few dozen steps.
+runs waits for all of it, and an interactive decode shares its step with whatever batch work
+rides along. Capping batch work by *predicted time* rather than by a fixed token count keeps
+both bounded on any device: the same 64 tokens are ~10 ms on a GPU and ~150 ms on one CPU
+thread, and one decode token at a 2,000-token context reads ~90 MB of fp32 KV cache for this
+model, several times the cost of a short-context one.
+
+The model: step_s = fixed + per_token * tokens + per_kkey * (keys attended / 1000), fitted by
+least squares with exponential forgetting, so it follows load changes (another process taking a
+core) within a few dozen steps. Live traffic alone cannot tell the three terms apart (its steps
+look alike: the fit then puts a 10 ms step's cost into a 40 ms "fixed" term and finds batch
+work nearly free), so a calibration at start-up (EngineCore.calibrate: short and long
+contexts, one and many sequences, prefill chunks) is kept as permanent pseudo-observations
+that anchor the split while recent steps set the level. Until it has seen enough steps it says
+nothing and the token caps alone apply.
 """
 from __future__ import annotations
 
+import numpy as np
+
+
+def keys_attended(start: int, num_tokens: int) -> int:
+    """Keys the attention of `num_tokens` new tokens reads when `start` are already cached:
+    token i (0-based) attends to start + i + 1 keys."""
+    return num_tokens * start + num_tokens * (num_tokens + 1) // 2
+
 
 class StepCostModel:
-    def __init__(self, decay: float = 0.95, min_steps: int = 8) -> None:
+    def __init__(self, decay: float = 0.97, min_steps: int = 8, ridge: float = 1e-6) -> None:
         if not 0 < decay < 1:
             raise ValueError("decay must be in (0, 1)")
         self.decay = decay
         self.min_steps = min_steps
+        self.ridge = ridge
         self.num_steps = 0
-        # Exponentially weighted sums for the least-squares line.
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
+        self._anchor_xtx = np.zeros((3, 3))   # calibration steps, never forgotten
+        self._anchor_xty = np.zeros(3)
+        self.anchor_weight = 0.5
+        self.calibrating = False
+        self._coef: tuple[float, float, float] | None = None
 
-    def observe(self, num_tokens: int, step_s: float) -> None:
+    def observe(self, num_tokens: int, num_keys: int, step_s: float) -> None:
         if num_tokens <= 0 or step_s <= 0:
             return
-        d = self.decay
-        x, y = float(num_tokens), step_s
-        self._w = d * self._w + 1.0
-        self._x = d * self._x + x
-        self._y = d * self._y + y
-        self._xx = d * self._xx + x * x
-        self._xy = d * self._xy + x * y
+        x = np.array([1.0, float(num_tokens), num_keys / 1000.0])
+        self._xtx = self.decay * self._xtx + np.outer(x, x)
+        self._xty = self.decay * self._xty + x * step_s
+        if self.calibrating:
+            self._anchor_xtx += np.outer(x, x)
+            self._anchor_xty += x * step_s
         self.num_steps += 1
+        self._coef = None
 
     @property
     def ready(self) -> bool:
-        return self.num_steps >= self.min_steps
+        return self.num_steps >= self.min_steps and self.coefficients() is not None
 
-    def line(self) -> tuple[float, float]:
-        """(fixed seconds per step, seconds per token). With too little spread in step sizes
-        to separate the two, all of the time is treated as per-token (the cautious reading)."""
-        w = self._w
-        if w <= 0:
-            return 0.0, 0.0
-        mean_x, mean_y = self._x / w, self._y / w
-        var = self._xx / w - mean_x * mean_x
-        if var < 1.0:
-            return 0.0, mean_y / max(mean_x, 1.0)
-        slope = (self._xy / w - mean_x * mean_y) / var
-        if slope <= 0:
-            return 0.0, mean_y / max(mean_x, 1.0)
-        fixed = max(0.0, mean_y - slope * mean_x)
-        return fixed, slope
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(fixed s, s per token, s per 1000 keys attended); None while unknown."""
+        if self._coef is None and self.num_steps >= self.min_steps:
+            xtx = self._xtx + self.anchor_weight * self._anchor_xtx
+            xty = self._xty + self.anchor_weight * self._anchor_xty
+            a = xtx + self.ridge * np.eye(3) * max(1.0, np.trace(xtx) / 3)
+            try:
+                fixed, per_token, per_kkey = np.linalg.solve(a, xty)
+            except np.linalg.LinAlgError:
+                return None
+            if per_token <= 0 and per_kkey <= 0:
+                # Steps all alike: no way to split the time, so all of it is per token.
+                mean_tokens = self._xtx[0, 1] / self._xtx[0, 0]
+                per_token, fixed, per_kkey = self._xty[0] / self._xtx[0, 0] / mean_tokens, 0, 0
+            self._coef = (max(0.0, float(fixed)), max(0.0, float(per_token)),
+                          max(0.0, float(per_kkey)))
+        return self._coef
 
-    def predict(self, num_tokens: int) -> float:
-        fixed, per_token = self.line()
-        return fixed + per_token * num_tokens
+    def predict(self, num_tokens: int, num_keys: int) -> float:
+        c = self.coefficients() or (0.0, 0.0, 0.0)
+        return c[0] + c[1] * num_tokens + c[2] * num_keys / 1000.0
 
-    def tokens_within(self, budget_s: float) -> int | None:
-        """The most tokens a step can hold and still end within budget_s; None before the
-        model has seen enough steps to say."""
-        if not self.ready:
-            return None
-        fixed, per_token = self.line()
-        if per_token <= 0:
-            return None
-        return max(0, int((budget_s - fixed) / per_token + 1e-6))
+    def cost(self, start: int, num_tokens: int) -> float:
+        """Marginal seconds one request's `num_tokens` at offset `start` add to a step."""
+        c = self.coefficients() or (0.0, 0.0, 0.0)
+        return c[1] * num_tokens + c[2] * keys_attended(start, num_tokens) / 1000.0
+
+    def tokens_within(self, start: int, seconds: float) -> int:
+        """The most tokens a request at offset `start` can add within `seconds`."""
+        c = self.coefficients()
+        if c is None or seconds <= 0:
+            return 0
+        _, a, b = c
+        b /= 1000.0
+        # b/2 n^2 + (a + b (start + 1/2)) n <= seconds
+        lin = a + b * (start + 0.5)
+        if b <= 0:
+            return int(seconds / lin + 1e-9) if lin > 0 else 1 << 30
+        return max(0, int((-lin + (lin * lin + 2 * b * seconds) ** 0.5) / b + 1e-9))
