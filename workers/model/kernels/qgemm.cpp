@@ -353,7 +353,13 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   // that one thread is faster (batch-1 qkv: 16 us alone, 31 us on two OpenMP threads).
   const double solo_us = tile_bytes * nb / 5e3 + static_cast<double>(m) * n * k / 50e3;
   if (solo_us < parallel_min_us()) body(0, nb);
-  else parallel_chunks(nb, std::max<int64_t>(1, nb / g_chunks), body);
+  else {
+    // Few long chunks for a weight stream (decode, a few rows); many for compute-bound calls
+    // (prefill), where a helper preempted by another process mid-chunk would hold up the
+    // caller for a larger share.
+    const int64_t chunks = m <= 8 ? g_chunks : 32;
+    parallel_chunks(nb, std::max<int64_t>(1, nb / chunks), body);
+  }
   return y;
 }
 
