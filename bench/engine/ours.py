@@ -107,7 +107,8 @@ def measure_ttft(core: EngineCore, cached_len: int, suffix_len: int, seed: int
 def measure_quality(core: EngineCore, gguf_path: str, num_tokens: int) -> tuple[float, dict]:
     model = core.runner.model
     ids = Tokenizer.from_gguf(gguf_path).encode(evaluation_text())[:num_tokens + 1]
-    return perplexity(model, ids), weight_bytes(model)
+    # The serving path: paged KV cache, the fused decoder stack and its prefill GEMMs.
+    return perplexity(model, ids, paged=True), weight_bytes(model)
 
 
 def warm_up(core: EngineCore) -> None:

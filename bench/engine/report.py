@@ -131,7 +131,10 @@ def write_report(path: Path, header: list[str], modes: list[ModeResult],
     lines += ["", "## Ours relative to llama.cpp as quoted in issue 3 (quiet host, not this run)",
               ""]
     lines += quoted_table(modes, concurrency)
-    lines += ["", "## Weights, perplexity, time to first token", ""]
+    lines += ["", "## Weights, perplexity, time to first token", "",
+              "Perplexity through the serving path (paged KV cache, the fused decoder stack and, "
+              "where the CPU has AMX/AVX-512 bf16, its bf16 prefill GEMMs); resident weights "
+              "include those bf16 prefill copies.", ""]
     lines += quality_table(modes)
     lines += ["", "## Targets (issue 3)", ""] + verdicts
     notes = [f"- {p.name}: {p.note}" for p in peers if p.note]

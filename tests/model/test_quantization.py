@@ -56,6 +56,26 @@ def test_quantized_perplexity_within_bound(gguf_path, token_ids, reference_ppl, 
     assert abs(ppl / reference_ppl - 1) < bound, (mode, ppl, reference_ppl)
 
 
+@pytest.mark.parametrize("mode,bound", [("int8", 0.01), ("int4", 0.05)])
+@pytest.mark.parametrize("dense", ["on", "off"])
+def test_serving_path_perplexity_within_bound(gguf_path, token_ids, reference_ppl, mode, bound,
+                                              dense, monkeypatch):
+    """What a worker computes for a prompt: paged KV cache, the fused decoder stack, and (on)
+    its bf16 prefill GEMMs or (off) the packed int8/int4 tiles."""
+    from workers.model import kernels
+    monkeypatch.setenv("LLMMESH_DENSE_PREFILL", dense)
+    kernels.dense_prefill_min_rows.cache_clear()
+    try:
+        model, _ = load_model(gguf_path, quantization=mode)
+        if kernels.cpu_kernels() is not None:
+            assert model.decoder_stack is not None
+            assert (model.layers[0].mlp.down_proj.dense_copy is not None) == (dense == "on")
+        ppl = perplexity(model, token_ids, paged=True)
+    finally:
+        kernels.dense_prefill_min_rows.cache_clear()
+    assert abs(ppl / reference_ppl - 1) < bound, (mode, dense, ppl, reference_ppl)
+
+
 def test_weight_bytes_shrink_with_the_mode(gguf_path):
     streamed = {}
     for mode in ("fp32", "int8", "int4"):

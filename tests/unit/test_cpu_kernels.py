@@ -235,3 +235,71 @@ def test_decoder_stack_matches_the_python_layers(mode, isa):
             second = model(torch.tensor([8]), torch.tensor([6]), caches, decode)
         outputs.append(torch.cat((first, second)))
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("pre", [0, 1, 2])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_dense_prefill_gemm_matches_fp32_to_bf16_precision(pre, accumulate):
+    """qgemm_dense (bf16 copy of the weight, one oneDNN GEMM) keeps the packed GEMM's contract:
+    the same pre-op, the same in-place residual add."""
+    torch.manual_seed(pre)
+    m, k, n = 24, 96, 40
+    w = torch.randn(n, k) * 0.05
+    x = torch.randn(m, 2 * k if pre == 2 else k)
+    norm = torch.rand(k) + 0.5
+    if pre == 1:
+        inp = F.rms_norm(x, (k,), norm, 1e-5)
+    elif pre == 2:
+        inp = F.silu(x[:, :k]) * x[:, k:]
+    else:
+        inp = x
+    expected = inp @ w.t()
+    residual = torch.randn(m, n)
+    out = residual.clone() if accumulate else torch.empty(m, n)
+    got = ext.qgemm_dense(x, w.to(torch.bfloat16).contiguous(), pre, norm if pre == 1 else None,
+                          1e-5, out, accumulate)
+    assert got.data_ptr() == out.data_ptr()
+    if accumulate:
+        expected = expected + residual
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_decoder_stack_dense_prefill_path_matches_the_python_layers(mode, monkeypatch):
+    """Prefill-sized calls through bf16 copies give the layers' result to bf16 precision, and
+    decode-sized calls below the threshold still take the packed tiles exactly."""
+    from workers.model import ModelConfig, allocate_kv_caches, build_random_model
+    from workers.model import kernels, linear as linear_mod, quantize as quantize_mod
+    from workers.model.attention import AttentionMetadata
+    from workers.model.quantize import quantize_model
+    monkeypatch.setenv("LLMMESH_DENSE_PREFILL", "on")
+    monkeypatch.setenv("LLMMESH_DENSE_PREFILL_MIN_ROWS", "4")
+    kernels.dense_prefill_min_rows.cache_clear()
+    try:
+        config = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
+                             num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+                             rms_norm_eps=1e-5, max_position_embeddings=64,
+                             tie_word_embeddings=True, bos_token_id=None, eos_token_id=0)
+        model = build_random_model(config, seed=3)
+        quantize_model(model, mode, device="cpu", dtype=torch.float32)
+        assert model.layers[0].mlp.down_proj.dense_copy is not None
+        assert model.lm_head.dense_copy is None
+        prompt = AttentionMetadata(torch.tensor([12, 13, 14, 15, 4, 5]), torch.tensor([0, 6]),
+                                   torch.tensor([6]), torch.tensor([[3, 1]]), 6, 6)
+        decode = AttentionMetadata(torch.tensor([6]), torch.tensor([0, 1]), torch.tensor([7]),
+                                   torch.tensor([[3, 1]]), 7, 1)
+        outputs = []
+        for stack in (model.decoder_stack, None):
+            model.decoder_stack = stack
+            caches = allocate_kv_caches(config, 5, 4, "cpu", torch.float32)
+            with torch.inference_mode():
+                first = model(torch.tensor([5, 9, 2, 7, 1, 3]), torch.arange(6), caches, prompt)
+                second = model(torch.tensor([8]), torch.tensor([6]), caches, decode)
+            outputs.append((first, second))
+        (dense_first, dense_second), (ref_first, ref_second) = outputs
+        scale = ref_first.abs().max().item()
+        torch.testing.assert_close(dense_first, ref_first, rtol=3e-2, atol=3e-2 * scale)
+        assert not torch.equal(dense_first, ref_first)           # the bf16 path really ran
+        torch.testing.assert_close(dense_second, ref_second, rtol=3e-2, atol=3e-2 * scale)
+    finally:
+        kernels.dense_prefill_min_rows.cache_clear()

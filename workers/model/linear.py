@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model import quant_formats as qf
-from workers.model.kernels import cpu_kernels
+from workers.model.kernels import cpu_kernels, dense_prefill_min_rows
 
 QUANTIZATION_MODES = ("fp32", "bf16", "int8", "int4")
 _PRE_NONE, _PRE_RMS_NORM, _PRE_SILU_MUL = 0, 1, 2
@@ -94,6 +94,9 @@ class QuantizedLinear(nn.Module):
         self.mode, self.out_features, self.in_features = mode, out_features, in_features
         # Plain attributes, not buffers: model.to(dtype) must never cast packed bytes or scales.
         self.tensors, self.packed = tensors, packed
+        # bf16 [N, K] copy of the dequantized weight for the decoder stack's prefill-sized calls
+        # on CPUs with a fast bf16 GEMM (kernels.dense_prefill_min_rows).
+        self.dense_copy: torch.Tensor | None = None
         if packed:   # hot-path attributes, resolved once
             self._qgemm = cpu_kernels().qgemm
             self._packed_weight, self._scales = tensors["packed"], tensors["scales"]
@@ -109,17 +112,28 @@ class QuantizedLinear(nn.Module):
             q, scale = qf.quantize_int8(w)
             tensors = ({"packed": qf.pack_int8(q), "scales": qf.pack_int8_scale(scale)} if pack
                        else {"q": q, "scale": scale})
+            dense = lambda: qf.dequantize_int8(q, scale, torch.float32)  # noqa: E731
         elif mode == "int4":
             q, scale, low = qf.quantize_int4(w)
             tensors = ({"packed": qf.pack_int4(q), "scales": qf.pack_int4_scales(scale, low)}
                        if pack else {"q": qf.pack_nibbles(q), "scale": scale, "low": low})
+            dense = lambda: qf.dequantize_int4(q, scale, low, in_features, torch.float32)  # noqa: E731
         else:
             raise ValueError(f"not a quantized mode: {mode!r}")
         tensors = {name: t.to(device) for name, t in tensors.items()}
-        return cls(mode, out_features, in_features, tensors, pack)
+        layer = cls(mode, out_features, in_features, tensors, pack)
+        if pack and dense_prefill_min_rows():
+            # The quantized values themselves, widened: prefill computes the same model.
+            layer.dense_copy = dense().to(torch.bfloat16).contiguous()
+        return layer
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def copy_bytes(self) -> int:
+        """Bytes of the bf16 prefill copy (resident, never read by a decode step)."""
+        c = self.dense_copy
+        return 0 if c is None else c.numel() * c.element_size()
 
     def forward(self, x: torch.Tensor, *, norm: nn.Module | None = None, silu_mul: bool = False,
                 residual: torch.Tensor | None = None) -> torch.Tensor:

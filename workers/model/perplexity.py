@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from workers.model.attention import AttentionMetadata, allocate_kv_caches
 from workers.model.llama import LlamaForCausalLM
 
 TEXT_PATH = Path(__file__).resolve().parent / "perplexity_text.txt"
@@ -20,18 +21,39 @@ def evaluation_text() -> str:
     return TEXT_PATH.read_text(encoding="utf-8")
 
 
+def _one_sequence(length: int, block_size: int, device) -> AttentionMetadata:
+    t = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+    num_blocks = -(-length // block_size)
+    return AttentionMetadata(
+        slot_mapping=torch.arange(length, device=device), query_start_loc=t([0, length]),
+        seq_lens=t([length]), block_tables=t([list(range(num_blocks))]), max_seq_len=length,
+        max_query_len=length)
+
+
 @torch.inference_mode()
-def perplexity(model: LlamaForCausalLM, token_ids: list[int], window: int = 512) -> float:
-    """exp(mean NLL) over non-overlapping windows, each scored from its own start (no carry-over),
-    through the model's reference causal path so no KV cache is needed."""
+def perplexity(model: LlamaForCausalLM, token_ids: list[int], window: int = 512,
+               paged: bool = False) -> float:
+    """exp(mean NLL) over non-overlapping windows, each scored from its own start (no carry-over).
+
+    paged=False: the model's reference causal path (no KV cache). paged=True: the serving path
+    (a paged KV cache, and with it the fused C++ decoder stack and its prefill GEMMs when the
+    model has them), i.e. what a worker computes for a prompt."""
     device = model.embed_tokens.device
+    caches, block_size = None, 16
+    if paged:
+        caches = allocate_kv_caches(model.config, -(-window // block_size), block_size, device,
+                                    model.embed_tokens.dtype)
     total_nll, count = 0.0, 0
     for start in range(0, len(token_ids) - 1, window):
         chunk = token_ids[start:start + window + 1]
         if len(chunk) < 2:
             break
         ids = torch.tensor(chunk[:-1], device=device)
-        hidden = model(ids, torch.arange(len(ids), device=device))
+        positions = torch.arange(len(ids), device=device)
+        if paged:
+            hidden = model(ids, positions, caches, _one_sequence(len(ids), block_size, device))
+        else:
+            hidden = model(ids, positions)
         logprobs = torch.log_softmax(model.compute_logits(hidden), dim=-1)
         targets = torch.tensor(chunk[1:], device=device)
         total_nll -= logprobs.gather(1, targets[:, None]).sum().item()

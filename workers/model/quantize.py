@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.model.kernels import cpu_kernels
+from workers.model.kernels import cpu_kernels, dense_prefill_min_rows
 from workers.model.linear import QUANTIZATION_MODES, Linear, QuantizedLinear, convert_linear
 from workers.model.llama import LlamaForCausalLM, RotaryEmbedding
 
@@ -63,6 +63,8 @@ def quantize_model(model: LlamaForCausalLM, mode: str, *, device: torch.device |
                 model.lm_head.weight.data = model.lm_head.weight.data.clone()
         else:
             model.lm_head = convert_linear(model.lm_head, head_mode, device, dtype)
+        if isinstance(model.lm_head, QuantizedLinear):
+            model.lm_head.dense_copy = None   # the decoder stack's prefill path only
         projection_params = {id(m.weight) for m in model.modules() if isinstance(m, Linear)}
         for param in model.parameters():
             if id(param) not in projection_params:
@@ -91,6 +93,9 @@ def build_decoder_stack(model: LlamaForCausalLM):
                         [p.out_features for p in projections],
                         [p.in_features for p in projections],
                         [p.mode == "int4" for p in projections])
+        if all(p.dense_copy is not None for p in projections):
+            stack.add_dense_copies([p.dense_copy for p in projections])
+    stack.set_dense_min_rows(dense_prefill_min_rows())
     return stack
 
 
@@ -98,13 +103,15 @@ def weight_bytes(model: LlamaForCausalLM) -> dict[str, int]:
     """Bytes held: projections + output layer (what a decode step streams) and the lookup table."""
     streamed = sum(m.weight_bytes() for m in model.modules()
                    if isinstance(m, (Linear, QuantizedLinear)))
+    copies = sum(m.copy_bytes() for m in model.modules() if isinstance(m, QuantizedLinear))
     if model.lm_head is None:
         streamed += model.embed_tokens.numel() * model.embed_tokens.element_size()
     norms = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                 if "norm" in n)
     table = model.embed_tokens.numel() * model.embed_tokens.element_size()
     return {"streamed_per_step": streamed + norms, "embedding_table": table,
-            "total": streamed + norms + (table if model.lm_head is not None else 0)}
+            "prefill_bf16_copies": copies,
+            "total": streamed + norms + copies + (table if model.lm_head is not None else 0)}
 
 
 def weight_mode(model: LlamaForCausalLM) -> str:

@@ -28,15 +28,40 @@ _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-DNDEBUG"]
 _REQUIRED_CPU_FLAGS = {"avx2", "fma", "f16c"}
 
 
-def _cpu_supported() -> bool:
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return _REQUIRED_CPU_FLAGS <= set(line.split(":", 1)[1].split())
-    return False
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def _cpu_supported() -> bool:
+    return _REQUIRED_CPU_FLAGS <= _cpu_flags()
+
+
+# Rows from which a projection goes through oneDNN's bf16 GEMM on a bf16 copy of its weight
+# instead of the packed int8/int4 tiles (prefill chunks, wide batches). bench/results/engine.md
+# has the measured effect.
+_DENSE_MIN_ROWS = 16
+
+
+@functools.lru_cache(maxsize=1)
+def dense_prefill_min_rows() -> int:
+    """0 when every call keeps the packed tiles. LLMMESH_DENSE_PREFILL=auto (default: on where
+    the CPU has AMX-bf16 or AVX-512 bf16, where oneDNN's bf16 GEMM is several times faster
+    than our tiles; on an AVX2-only CPU bf16 is slower than fp32), on or off;
+    LLMMESH_DENSE_PREFILL_MIN_ROWS sets the threshold."""
+    setting = os.environ.get("LLMMESH_DENSE_PREFILL", "auto").lower()
+    if setting in ("0", "off", "false") or cpu_kernels() is None:
+        return 0
+    if setting == "auto" and not ({"amx_bf16", "avx512_bf16"} & _cpu_flags()):
+        return 0
+    return max(1, int(os.environ.get("LLMMESH_DENSE_PREFILL_MIN_ROWS", _DENSE_MIN_ROWS)))
 
 
 def _ensure_ninja_on_path() -> None:

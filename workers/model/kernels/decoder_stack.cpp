@@ -16,6 +16,7 @@ struct Projection {
   at::Tensor packed, scales;
   int64_t n, k;
   bool int4;
+  at::Tensor dense;   // optional bf16 copy [N, K] for qgemm_dense (prefill-sized calls)
 };
 
 struct Layer {
@@ -38,6 +39,20 @@ class DecoderStack {
     for (int i = 0; i < 4; ++i) p[i] = Projection{packed[i], scales[i], n[i], k[i], int4[i]};
     layers_.push_back(Layer{input_norm, post_norm, p[0], p[1], p[2], p[3]});
   }
+
+  // bf16 copies [N, K] of the last added layer's projections (same order), used for calls of
+  // at least `min_rows` rows (set_dense_min_rows; 0 = never).
+  void add_dense_copies(std::vector<at::Tensor> dense) {
+    TORCH_CHECK(!layers_.empty() && dense.size() == 4, "four copies per layer");
+    Layer& l = layers_.back();
+    Projection* p[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+    for (int i = 0; i < 4; ++i) {
+      TORCH_CHECK(dense[i].size(0) == p[i]->n && dense[i].size(1) == p[i]->k,
+                  "copy shape mismatch");
+      p[i]->dense = dense[i].contiguous();
+    }
+  }
+  void set_dense_min_rows(int64_t rows) { dense_min_rows_ = rows; }
 
   // Runs every layer on x [T, hidden] in place (residual adds accumulate into it).
   at::Tensor forward(at::Tensor x, const at::Tensor& positions, const at::Tensor& cos,
@@ -85,15 +100,25 @@ class DecoderStack {
   void into(const at::Tensor& input, const Projection& p, Pre pre, const at::Tensor& norm,
             const at::Tensor& out) {
     TORCH_CHECK(out.size(1) == p.n, "layers must share projection shapes");
-    qgemm(input, p.packed, p.scales, p.n, p.k, p.int4, pre, norm, eps_, out, false);
+    if (use_dense(input, p))
+      qgemm_dense(input, p.dense, pre, norm, eps_, out, false);
+    else
+      qgemm(input, p.packed, p.scales, p.n, p.k, p.int4, pre, norm, eps_, out, false);
   }
 
   at::Tensor run(const at::Tensor& input, const Projection& p, Pre pre,
                  const c10::optional<at::Tensor>& norm, c10::optional<at::Tensor> residual) {
     const bool accumulate = residual.has_value();
+    if (use_dense(input, p))
+      return qgemm_dense(input, p.dense, pre, norm, eps_, residual, accumulate);
     return qgemm(input, p.packed, p.scales, p.n, p.k, p.int4, pre, norm, eps_, residual,
                  accumulate);
   }
+
+  bool use_dense(const at::Tensor& input, const Projection& p) const {
+    return p.dense.defined() && dense_min_rows_ > 0 && input.size(0) >= dense_min_rows_;
+  }
+  int64_t dense_min_rows_ = 0;
 
   // Seconds per phase (qkv, rope, attention, o, gate_up, down) summed over calls, while
   // profiling is on (a diagnostic for benchmarks; off by default, no cost then).
@@ -114,6 +139,8 @@ void register_decoder_stack(pybind11::module& m) {
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &DecoderStack::add_layer)
+      .def("add_dense_copies", &DecoderStack::add_dense_copies)
+      .def("set_dense_min_rows", &DecoderStack::set_dense_min_rows)
       .def("set_profiling", &DecoderStack::set_profiling)
       .def("profile", &DecoderStack::profile)
       .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>());

@@ -26,6 +26,11 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
                  int64_t n, int64_t k, bool int4, int64_t pre,
                  const c10::optional<at::Tensor>& norm_w, double eps,
                  c10::optional<at::Tensor> out, bool accumulate);
+// The same contract with a bf16 copy of the weight [N, K] and one oneDNN GEMM (qgemm.cpp):
+// for prefill-sized calls where the CPU has AMX / AVX-512 bf16.
+at::Tensor qgemm_dense(const at::Tensor& x, const at::Tensor& w, int64_t pre,
+                       const c10::optional<at::Tensor>& norm_w, double eps,
+                       c10::optional<at::Tensor> out, bool accumulate);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& x);
 void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos,

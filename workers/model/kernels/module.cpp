@@ -16,6 +16,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("n"), py::arg("k"),
         py::arg("int4"), py::arg("pre"), py::arg("norm_w"), py::arg("eps"), py::arg("out"),
         py::arg("accumulate"));
+  m.def("qgemm_dense", &llmk::qgemm_dense, release(),
+        "out (+)= pre(x) @ W^T with a bf16 copy W [N, K] (oneDNN GEMM, prefill-sized calls)",
+        py::arg("x"), py::arg("w"), py::arg("pre"), py::arg("norm_w"), py::arg("eps"),
+        py::arg("out"), py::arg("accumulate"));
   m.def("rms_norm", &llmk::rms_norm, release());
   m.def("silu_mul", &llmk::silu_mul, release());
   m.def("rope_write_kv", &llmk::rope_write_kv, release());
