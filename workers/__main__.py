@@ -48,7 +48,7 @@ def _args() -> argparse.Namespace:
                    default=int(env("LLMMESH_BATCH_TOKENS_WITH_INTERACTIVE", "8")),
                    help="batch-class tokens per step while interactive requests are present (0: no cap)")
     p.add_argument("--batch-step-budget-ms", type=float,
-                   default=float(env("LLMMESH_BATCH_STEP_BUDGET_MS", "50")),
+                   default=float(env("LLMMESH_BATCH_STEP_BUDGET_MS", "30")),
                    help="plan steps holding batch work to end within this time (0: no time cap)")
     p.add_argument("--batch-ms-with-interactive", type=float,
                    default=float(env("LLMMESH_BATCH_MS_WITH_INTERACTIVE", "10")),

@@ -40,7 +40,7 @@ class EngineConfig:
     # KV keys attended), as much as keeps a step with batch work in it within this many
     # milliseconds: what an interactive arrival waits for the step in flight, on any device.
     # None turns the time caps off (the token caps still apply).
-    batch_step_budget_ms: float | None = 50.0
+    batch_step_budget_ms: float | None = 30.0
     # While interactive work is present, the predicted time batch work may add to a step (a
     # long-context batch decode reads its whole KV cache: ~90 MB at 2,000 tokens here). The
     # first batch request of every step still advances, so batch is slowed, never starved.
