@@ -50,9 +50,11 @@ async def _timed(target, spec) -> dict:
 async def measure(pairs: int, seed: int, worker_args: list[str]) -> dict:
     profile = load_profile("overhead")
     tok = Tokenizer.from_gguf(resolve_model().gguf_path)
-    specs = closed_loop(profile, tok, 1)
-    while len(specs) < 2 * pairs + 4:
-        specs += closed_loop(profile, tok, 1)
+    # Distinct documents for every request (a repeated prompt would be a prefix-cache hit for
+    # whichever path sent it second): the closed-loop generator's slots give as many as needed.
+    per_slot = profile.closed_loop.requests_per_slot
+    specs = closed_loop(profile, tok, -(-(2 * pairs + 4) // per_slot))
+    assert len({s.prompt_token_ids for s in specs}) == len(specs), "prompts must be distinct"
     rng = random.Random(seed)
     mesh = MeshTarget("var/bench-overhead", 1, worker_args)
     await mesh.start()
