@@ -367,7 +367,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
 
 namespace llmk {
 
-// Prefill-sized calls on CPUs with AMX / AVX-512 bf16, where oneDNN's bf16 GEMM runs at
+// Prefill-sized calls (64+ rows by default) on CPUs with AMX / AVX-512 bf16, where oneDNN's bf16 GEMM runs at
 // ~1.4 TFLOP/s on the 2-core Xeon against ~0.3 TOP/s for our packed int8 tiles at M=128: the
 // pre-op'd activations in bf16, one at::mm against a bf16 copy of the (dequantized) weight
 // [N, K], the residual added in fp32. bf16 activations keep every channel's outliers (an int8
