@@ -48,7 +48,8 @@ def test_two_tenants_two_classes_billed_as_told(mesh, gateway):
     assert [c.index for c in chunks if c.token_ids] == \
         [sum(len(c.token_ids) for c in chunks[:i] if c.token_ids) for i, c in enumerate(chunks) if c.token_ids]
     assert len(set(round(a, 3) for a in arrivals)) >= 3
-    assert arrivals[-1] - arrivals[0] > 0.05
+    # Spread over the decode itself (not buffered and sent at the end), whatever its speed.
+    assert arrivals[-1] - arrivals[0] >= 0.5 * final.usage.decode_device_seconds > 0
 
     batch = _chat("Name one color of the rainbow.", max_tokens=12, cls=common_pb2.REQUEST_CLASS_BATCH)
     done = gateway.Complete(gateway_pb2.CompleteRequest(request=batch), metadata=_auth("globex"), timeout=120)

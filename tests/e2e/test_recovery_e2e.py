@@ -98,7 +98,7 @@ def test_prefix_affinity_hits_for_the_same_tenant_only(mesh, stub):
 
 
 def test_worker_killed_mid_stream_requests_resume_elsewhere(mesh, stub):
-    recs = _start_streams(stub, 6)
+    recs = _start_streams(stub, 6, max_tokens=200)   # long enough to still run at the kill
     wait_until(lambda: all(len(r.token_ids) >= 3 for r in recs), 120, what="first tokens")
     loads = {n: worker_load(mesh.procs[n].address).num_running for n in ("worker0", "worker1")}
     victim = max(loads, key=loads.get)
@@ -112,7 +112,7 @@ def test_worker_killed_mid_stream_requests_resume_elsewhere(mesh, stub):
 
 
 def test_router_killed_its_entries_are_taken_over(mesh, stub):
-    recs = _start_streams(stub, 4, max_tokens=40)
+    recs = _start_streams(stub, 4, max_tokens=200)   # long enough to still run at the kill
     wait_until(lambda: all(len(r.token_ids) >= 2 for r in recs), 120, what="first tokens")
     mesh.stop_one("router", signal.SIGKILL)
     _finish_all(recs)
