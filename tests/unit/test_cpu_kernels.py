@@ -269,7 +269,7 @@ def test_decoder_stack_dense_prefill_path_matches_the_python_layers(mode, monkey
     """Prefill-sized calls through bf16 copies give the layers' result to bf16 precision, and
     decode-sized calls below the threshold still take the packed tiles exactly."""
     from workers.model import ModelConfig, allocate_kv_caches, build_random_model
-    from workers.model import kernels, linear as linear_mod, quantize as quantize_mod
+    from workers.model import kernels
     from workers.model.attention import AttentionMetadata
     from workers.model.quantize import quantize_model
     monkeypatch.setenv("LLMMESH_DENSE_PREFILL", "on")
