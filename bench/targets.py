@@ -148,16 +148,13 @@ class WorkerTarget:
                                                      worker_args=list(worker_args or []))
 
     async def start(self) -> None:
-        if self.attach_address:
-            self.channel = grpc.aio.insecure_channel(self.attach_address)
-            self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
-            self.loads = WorkerLoads([self.attach_address])
-            return
-        self.mesh.start_redis()
-        self.mesh.start_service("costd", "costd")
-        await self.mesh.wait_ready(["costd"])
-        address = self.mesh.start_worker("worker0").address
-        await self.mesh.wait_ready(["worker0"], timeout_s=180)
+        address = self.attach_address
+        if not address:
+            self.mesh.start_redis()
+            self.mesh.start_service("costd", "costd")
+            await self.mesh.wait_ready(["costd"])
+            address = self.mesh.start_worker("worker0").address
+            await self.mesh.wait_ready(["worker0"], timeout_s=180)
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
         self.loads = WorkerLoads([address])

@@ -208,11 +208,8 @@ def test_fused_attention_batch_one_split_over_keys(context, split_k):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_decoder_stack_matches_the_python_layers(mode, isa):
-    """The one-call C++ stack runs the same kernels in the same order as llama.py's layers."""
-    from workers.model import ModelConfig, allocate_kv_caches, build_random_model
-    from workers.model.attention import AttentionMetadata
+def _tiny_quantized_model(mode: str):
+    from workers.model import ModelConfig, build_random_model
     from workers.model.quantize import quantize_model
     config = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
                          num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
@@ -221,7 +218,14 @@ def test_decoder_stack_matches_the_python_layers(mode, isa):
     model = build_random_model(config, seed=3)
     quantize_model(model, mode, device="cpu", dtype=torch.float32)
     assert model.decoder_stack is not None
-    # One sequence's 6-token prompt in blocks 3 and 1, then a decode token at position 6.
+    return model
+
+
+def _stack_and_layers(model):
+    """(prompt, decode) outputs through the C++ stack, then through the Python layers: one
+    sequence's 6-token prompt in blocks 3 and 1, then a decode token at position 6."""
+    from workers.model import allocate_kv_caches
+    from workers.model.attention import AttentionMetadata
     prompt = AttentionMetadata(torch.tensor([12, 13, 14, 15, 4, 5]), torch.tensor([0, 6]),
                                torch.tensor([6]), torch.tensor([[3, 1]]), 6, 6)
     decode = AttentionMetadata(torch.tensor([6]), torch.tensor([0, 1]), torch.tensor([7]),
@@ -229,13 +233,21 @@ def test_decoder_stack_matches_the_python_layers(mode, isa):
     outputs = []
     for stack in (model.decoder_stack, None):
         model.decoder_stack = stack
-        caches = allocate_kv_caches(config, 5, 4, "cpu", torch.float32)
+        caches = allocate_kv_caches(model.config, 5, 4, "cpu", torch.float32)
         with torch.inference_mode():
             first = model(torch.tensor([5, 9, 2, 7, 1, 3]), torch.arange(6), caches, prompt)
             second = model(torch.tensor([8]), torch.tensor([6]), caches, decode)
-        outputs.append(torch.cat((first, second)))
-    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-6, atol=1e-6)
+        outputs.append((first, second))
+    return outputs
 
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_decoder_stack_matches_the_python_layers(mode, isa):
+    """The one-call C++ stack runs the same kernels in the same order as llama.py's layers."""
+    (stack_first, stack_second), (ref_first, ref_second) = _stack_and_layers(
+        _tiny_quantized_model(mode))
+    torch.testing.assert_close(torch.cat((stack_first, stack_second)),
+                               torch.cat((ref_first, ref_second)), rtol=1e-6, atol=1e-6)
 
 @pytest.mark.parametrize("pre", [0, 1, 2])
 @pytest.mark.parametrize("accumulate", [False, True])
@@ -268,35 +280,15 @@ def test_dense_prefill_gemm_matches_fp32_to_bf16_precision(pre, accumulate):
 def test_decoder_stack_dense_prefill_path_matches_the_python_layers(mode, monkeypatch):
     """Prefill-sized calls through bf16 copies give the layers' result to bf16 precision, and
     decode-sized calls below the threshold still take the packed tiles exactly."""
-    from workers.model import ModelConfig, allocate_kv_caches, build_random_model
     from workers.model import kernels
-    from workers.model.attention import AttentionMetadata
-    from workers.model.quantize import quantize_model
     monkeypatch.setenv("LLMMESH_DENSE_PREFILL", "on")
     monkeypatch.setenv("LLMMESH_DENSE_PREFILL_MIN_ROWS", "4")
     kernels.dense_prefill_min_rows.cache_clear()
     try:
-        config = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
-                             num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
-                             rms_norm_eps=1e-5, max_position_embeddings=64,
-                             tie_word_embeddings=True, bos_token_id=None, eos_token_id=0)
-        model = build_random_model(config, seed=3)
-        quantize_model(model, mode, device="cpu", dtype=torch.float32)
+        model = _tiny_quantized_model(mode)
         assert model.layers[0].mlp.down_proj.dense_copy is not None
         assert model.lm_head.dense_copy is None
-        prompt = AttentionMetadata(torch.tensor([12, 13, 14, 15, 4, 5]), torch.tensor([0, 6]),
-                                   torch.tensor([6]), torch.tensor([[3, 1]]), 6, 6)
-        decode = AttentionMetadata(torch.tensor([6]), torch.tensor([0, 1]), torch.tensor([7]),
-                                   torch.tensor([[3, 1]]), 7, 1)
-        outputs = []
-        for stack in (model.decoder_stack, None):
-            model.decoder_stack = stack
-            caches = allocate_kv_caches(config, 5, 4, "cpu", torch.float32)
-            with torch.inference_mode():
-                first = model(torch.tensor([5, 9, 2, 7, 1, 3]), torch.arange(6), caches, prompt)
-                second = model(torch.tensor([8]), torch.tensor([6]), caches, decode)
-            outputs.append((first, second))
-        (dense_first, dense_second), (ref_first, ref_second) = outputs
+        (dense_first, dense_second), (ref_first, ref_second) = _stack_and_layers(model)
         scale = ref_first.abs().max().item()
         torch.testing.assert_close(dense_first, ref_first, rtol=3e-2, atol=3e-2 * scale)
         assert not torch.equal(dense_first, ref_first)           # the bf16 path really ran

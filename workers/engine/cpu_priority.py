@@ -50,11 +50,6 @@ class StepPriority:
         self._current = 0
         self._step_tid: int | None = None
         self._interactive_pending = False
-        self.num_changes = 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.batch_nice is not None
 
     def set_for_step(self, batch_only: bool) -> None:
         """Called by the step thread before it runs a step."""
@@ -88,4 +83,3 @@ class StepPriority:
             self.batch_nice = None
             return
         self._current = want
-        self.num_changes += 1

@@ -39,7 +39,8 @@ class _StepBatch:
                  batch_time_s: float | None = None) -> None:
         self.budget = budget
         self.batch_budget = batch_budget
-        self.cost = cost if cost is not None and cost.ready and batch_time_s is not None else None
+        # Given only with a time budget, which the scheduler sets once the model is fitted.
+        self.cost = cost if batch_time_s is not None else None
         self.batch_time_s = batch_time_s or 0.0
         self.num_tokens: dict[str, tuple[Request, int]] = {}
         self._batch_cost: dict[str, float] = {}

@@ -104,8 +104,9 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, mode: str, device: torch.device | str,
-                    pack: bool) -> QuantizedLinear:
-        """Quantize a dense [out, in] weight; `pack` selects the AVX2 kernel layout."""
+                    pack: bool, prefill_copy: bool = True) -> QuantizedLinear:
+        """Quantize a dense [out, in] weight; `pack` selects the AVX2 kernel layout;
+        `prefill_copy` allows the bf16 copy the decoder stack's prefill calls read."""
         out_features, in_features = weight.shape
         w = weight.detach().to("cpu", torch.float32)
         if mode == "int8":
@@ -122,7 +123,7 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"not a quantized mode: {mode!r}")
         tensors = {name: t.to(device) for name, t in tensors.items()}
         layer = cls(mode, out_features, in_features, tensors, pack)
-        if pack and dense_prefill_min_rows():
+        if pack and prefill_copy and dense_prefill_min_rows():
             # The quantized values themselves, widened: prefill computes the same model.
             layer.dense_copy = dense().to(torch.bfloat16).contiguous()
         return layer
@@ -163,12 +164,13 @@ class QuantizedLinear(nn.Module):
 
 
 def convert_linear(layer: Linear, mode: str, device: torch.device | str,
-                   activation_dtype: torch.dtype) -> nn.Module:
-    """The same projection with its weight stored in `mode` on `device`."""
+                   activation_dtype: torch.dtype, prefill_copy: bool = True) -> nn.Module:
+    """The same projection with its weight stored in `mode` on `device` (prefill_copy: see
+    QuantizedLinear.from_weight)."""
     if mode in ("fp32", "bf16"):
         layer.weight.data = layer.weight.data.to(
             device, torch.float32 if mode == "fp32" else torch.bfloat16)
         return layer
     pack = (torch.device(device).type == "cpu" and activation_dtype == torch.float32
             and cpu_kernels() is not None)
-    return QuantizedLinear.from_weight(layer.weight, mode, device, pack)
+    return QuantizedLinear.from_weight(layer.weight, mode, device, pack, prefill_copy)

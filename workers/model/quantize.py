@@ -58,13 +58,13 @@ def quantize_model(model: LlamaForCausalLM, mode: str, *, device: torch.device |
         if model.lm_head is None:   # tied: the output layer gets its own copy in `head_mode`
             head = Linear(*model.embed_tokens.shape, device="cpu", dtype=torch.float32)
             head.weight.data = model.embed_tokens.data
-            model.lm_head = convert_linear(head, head_mode, device, dtype)
+            # The output layer only ever sees a few rows: no bf16 prefill copy for it.
+            model.lm_head = convert_linear(head, head_mode, device, dtype, prefill_copy=False)
             if isinstance(model.lm_head, Linear):   # never share storage with the lookup table
                 model.lm_head.weight.data = model.lm_head.weight.data.clone()
         else:
-            model.lm_head = convert_linear(model.lm_head, head_mode, device, dtype)
-        if isinstance(model.lm_head, QuantizedLinear):
-            model.lm_head.dense_copy = None   # the decoder stack's prefill path only
+            model.lm_head = convert_linear(model.lm_head, head_mode, device, dtype,
+                                           prefill_copy=False)
         projection_params = {id(m.weight) for m in model.modules() if isinstance(m, Linear)}
         for param in model.parameters():
             if id(param) not in projection_params:
