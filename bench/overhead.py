@@ -36,6 +36,7 @@ async def _timed(target, spec) -> dict:
     sent = time.perf_counter()
     first = last = None
     tokens = 0
+    usage: dict = {}
     async for event in target.stream(spec):
         if isinstance(event, int):
             if event and first is None:
@@ -43,8 +44,14 @@ async def _timed(target, spec) -> dict:
             if event:
                 last = time.perf_counter()
                 tokens += event
+        else:
+            usage = event
     tpot = (last - first) / (tokens - 1) if tokens > 1 else None
-    return {"ttft_s": first - sent, "tpot_s": tpot, "tokens": tokens}
+    # The part of TTFT spent outside the engine: the worker's own queue and prefill time (the
+    # same work on both paths, and most of the run-to-run noise) taken out.
+    engine_s = usage.get("queue_s", 0.0) + usage.get("prefill_device_s", 0.0)
+    return {"ttft_s": first - sent, "tpot_s": tpot, "tokens": tokens,
+            "ttft_outside_engine_s": first - sent - engine_s}
 
 
 async def measure(pairs: int, seed: int, worker_args: list[str]) -> dict:
@@ -84,9 +91,11 @@ def _ms(x: float | None) -> str:
 
 def summarise(rows: list[dict]) -> dict:
     out = {}
-    for metric in ("ttft_s", "tpot_s"):
+    for metric in ("ttft_s", "tpot_s", "ttft_outside_engine_s"):
         pairs = [(r["mesh"][metric], r["direct"][metric]) for r in rows
-                 if r["mesh"][metric] is not None and r["direct"][metric] is not None]
+                 if r["mesh"].get(metric) is not None and r["direct"].get(metric) is not None]
+        if not pairs:
+            continue
         diffs = [m - d for m, d in pairs]
         out[metric] = {
             "mesh_p50": statistics.median(m for m, _ in pairs),
@@ -111,16 +120,23 @@ def report(result: dict, command: str, env: dict) -> str:
              "greedy), a fresh document per request", "",
              f"Issue 6 target: ≤ {TARGET_TTFT_MS:g} ms added p50 TTFT, ≤ {TARGET_TPOT_MS:g} ms "
              "added per token. \"added\" is the median of the per-pair differences "
-             "(mesh − direct); q1–q3 is the middle half of those differences.", "",
+             "(mesh − direct); q1–q3 is the middle half of those differences. The last row is "
+             "diagnostic, not the target: TTFT minus the worker's own queue and prefill time "
+             "(from its usage report), i.e. the hops alone, without the prefill's run-to-run "
+             "noise.", "",
              "| metric | mesh p50 (ms) | direct p50 (ms) | added, median of pairs (ms) | q1 – q3 (ms) | target |",
              "|---|---|---|---|---|---|"]
     for metric, name, limit in (("ttft_s", "TTFT", TARGET_TTFT_MS),
-                                ("tpot_s", "time per output token", TARGET_TPOT_MS)):
-        m = s[metric]
+                                ("tpot_s", "time per output token", TARGET_TPOT_MS),
+                                ("ttft_outside_engine_s", "TTFT outside the engine", None)):
+        m = s.get(metric)
+        if m is None:
+            continue
         added = m["added_p50"] * 1e3
+        verdict = "(diagnostic)" if limit is None else f"≤ {limit:g} {'✅' if added <= limit else '❌'}"
         lines.append(f"| {name} | {_ms(m['mesh_p50'])} | {_ms(m['direct_p50'])} | "
                      f"{added:+.2f} | {m['added_q1'] * 1e3:+.2f} – {m['added_q3'] * 1e3:+.2f} | "
-                     f"≤ {limit:g} {'✅' if added <= limit else '❌'} |")
+                     f"{verdict} |")
     return "\n".join(lines) + "\n"
 
 

@@ -60,6 +60,10 @@ class Cancelled(MeshError):
     code = grpc.StatusCode.CANCELLED
 
 
+class Aborted(MeshError):
+    code = grpc.StatusCode.ABORTED
+
+
 class Internal(MeshError):
     code = grpc.StatusCode.INTERNAL
 

@@ -10,6 +10,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 PREFIX = "llmmesh"
 CLASSES = ("interactive", "batch")
 ROUTER_GROUP = "routers"
@@ -78,6 +80,33 @@ def tokens_event(index: int, token_ids: list[int], logprobs: list[float] | None 
     if logprobs:
         body["logprobs"] = logprobs
     return {"d": json.dumps(body, separators=(",", ":"))}
+
+
+class IndexTaken(Exception):
+    """A token event for this completion index (or a later one, or the final) is already in the
+    result stream: the writer is an attempt that was replaced and must stop."""
+
+
+def token_entry_id(index: int) -> str:
+    """The result-stream entry id of the token event starting at completion index `index`.
+
+    Token events carry explicit increasing ids, so Redis itself refuses a second writer of an
+    index (a worker that has not yet noticed it was replaced); final and error events take
+    automatic ids (milliseconds since 1970), which sort after every token id, so nothing can be
+    appended after them either.
+    """
+    return f"0-{index + 1}"
+
+
+async def append_tokens(redis, stream: str, index: int, token_ids: list[int],
+                        logprobs: list[float] | None = None) -> None:
+    """XADD one token event at its index's entry id; IndexTaken when that id is used up."""
+    try:
+        await redis.xadd(stream, tokens_event(index, token_ids, logprobs), id=token_entry_id(index))
+    except ResponseError as exc:
+        if "equal or smaller" not in str(exc):
+            raise
+        raise IndexTaken(f"{stream}: completion index {index} was already delivered") from exc
 
 
 def final_event(finish_reason: str, usage: dict[str, Any]) -> dict[str, str]:

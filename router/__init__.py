@@ -1,1 +1,1 @@
-"""Cluster scheduling: read both class queues, pick a worker, relay tokens, recover failures."""
+"""Cluster scheduling: read both class queues, pick a worker, recover failures."""

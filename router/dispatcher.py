@@ -23,7 +23,8 @@ from llmmesh.v1 import worker_pb2
 from router.fairness import ClassPolicy, ClassScheduler
 from router.policy import Policy
 from router.registry import WorkerHandle, WorkerRegistry
-from router.relay import MAX_ATTEMPTS, RequestFailed, RequestProgress, record_usage, run_attempt
+from router.relay import (MAX_ATTEMPTS, RequestFailed, RequestProgress, read_result_stream,
+                          record_usage, run_attempt, sync_delivered)
 
 log = logging.getLogger("router.dispatcher")
 HELD_RECHECK_MS = 20
@@ -176,11 +177,14 @@ class Dispatcher:
                 outcome = {"finish_reason": reason, "usage": p.usage()}
             except RequestFailed as exc:
                 span.set_status(trace.StatusCode.ERROR, exc.message)
+                await self.redis.xadd(queue.result_stream(e.request_id),
+                                      queue.error_event(exc.code, exc.message))
+                # Workers append to the stream themselves: after the error event nothing more
+                # can be, so what it holds now is exactly what the client got.
+                await sync_delivered(p, self.redis)
                 if p.delivered:  # tokens were produced and delivered: they are billed
                     record_usage(span, p, "error", "")
                     billed = True
-                await self.redis.xadd(queue.result_stream(e.request_id),
-                                      queue.error_event(exc.code, exc.message))
                 outcome = {"error_code": exc.code, "error_message": exc.message}
             await self._finish(cls, entry_id, p, billed, outcome)
 
@@ -230,12 +234,9 @@ class Dispatcher:
             pipe.xrange(queue.result_stream(p.entry.request_id))
             pipe.exists(queue.cancel_key(p.entry.request_id))
             events, cancelled = await pipe.execute()
-        for _, fields in events:
-            event = queue.decode_event(fields)
-            if event["kind"] in ("final", "error"):
-                return event, bool(cancelled)
-            if event["index"] == len(p.delivered):
-                p.delivered.extend(event["ids"])
+        p.delivered, ended = read_result_stream(events)
+        if ended is not None:
+            return ended, bool(cancelled)
         if p.delivered:
             log.info("request %s resumes after %d delivered tokens", p.entry.request_id,
                      len(p.delivered))

@@ -1,8 +1,11 @@
-"""Runs one queued request on workers until it ends, relaying tokens to its result stream.
+"""Runs one queued request on workers until it ends; its tokens reach its result stream.
 
-A worker that dies mid-stream is replaced: the next attempt's prompt is the original prompt
-plus the tokens already delivered, and numbering continues from there, so the client sees
-no duplicate and no gap.
+Workers append tokens to the request's result stream themselves (the router names it), so the
+router sees only each attempt's final message. A worker that dies mid-stream is replaced: the
+router reads what the stream holds, and the next attempt's prompt is the original prompt plus
+those tokens, numbered on from there, so the client sees no duplicate and no gap. Token events
+sit at entry ids fixed by their index (llmmesh.queue.token_entry_id), so Redis refuses a
+replaced attempt that writes on.
 """
 from __future__ import annotations
 
@@ -57,6 +60,23 @@ class RequestProgress:
                 "queue_s": self.queue_s}
 
 
+def read_result_stream(events) -> tuple[list[int], dict | None]:
+    """The tokens a result stream holds, in index order, and its final or error event if any."""
+    delivered: list[int] = []
+    for _, fields in events:
+        event = queue.decode_event(fields)
+        if event["kind"] in ("final", "error"):
+            return delivered, event
+        if event["index"] == len(delivered):
+            delivered.extend(event["ids"])
+    return delivered, None
+
+
+async def sync_delivered(p: RequestProgress, redis: aioredis.Redis) -> None:
+    """After an attempt broke off: what its worker appended to the result stream itself."""
+    p.delivered, _ = read_result_stream(await redis.xrange(queue.result_stream(p.entry.request_id)))
+
+
 def worker_request(p: RequestProgress) -> worker_pb2.WorkerGenerateRequest:
     e, s = p.entry, p.entry.sampling
     sampling = common_pb2.SamplingParams(
@@ -69,7 +89,8 @@ def worker_request(p: RequestProgress) -> worker_pb2.WorkerGenerateRequest:
         prompt_token_ids=e.prompt_token_ids + p.delivered, sampling=sampling,
         request_class=_CLASS[e.request_class], cache_salt=e.cache_salt,
         deadline_unix_ns=e.deadline_unix_ns, start_index=len(p.delivered),
-        num_original_prompt_tokens=len(e.prompt_token_ids))
+        num_original_prompt_tokens=len(e.prompt_token_ids),
+        result_stream=queue.result_stream(e.request_id))
 
 
 def _timeout_s(entry: queue.QueueEntry) -> float | None:
@@ -79,7 +100,11 @@ def _timeout_s(entry: queue.QueueEntry) -> float | None:
 
 
 async def run_attempt(p: RequestProgress, worker: WorkerHandle, redis: aioredis.Redis) -> str | None:
-    """One attempt on one worker; returns the finish reason, or None if the stream broke off retryably."""
+    """One attempt on one worker; returns the finish reason, or None if the stream broke off retryably.
+
+    The worker appends tokens to the result stream itself and reports them in its final message
+    (one hop less per token); tokens it sends in the gRPC stream instead are appended here.
+    """
     metadata = tuple(telemetry.inject_traceparent().items())
     call = worker.stub.Generate(worker_request(p), timeout=_timeout_s(p.entry), metadata=metadata)
     stream = queue.result_stream(p.entry.request_id)
@@ -88,10 +113,11 @@ async def run_attempt(p: RequestProgress, worker: WorkerHandle, redis: aioredis.
         async for msg in call:
             if msg.HasField("tokens"):
                 ids = list(msg.tokens.token_ids)
-                await redis.xadd(stream, queue.tokens_event(len(p.delivered), ids,
-                                                            list(msg.tokens.logprobs)))
+                await queue.append_tokens(redis, stream, len(p.delivered), ids,
+                                          list(msg.tokens.logprobs))
                 p.delivered.extend(ids)
             else:
+                p.delivered.extend(msg.final.token_ids)
                 u = msg.final.usage
                 p.prefill_device_s += u.prefill_device_seconds
                 p.decode_device_s += u.decode_device_seconds
@@ -103,10 +129,19 @@ async def run_attempt(p: RequestProgress, worker: WorkerHandle, redis: aioredis.
         if exc.code() in _RETRYABLE:
             log.warning("request %s: worker %s failed (%s); will retry", p.entry.request_id,
                         worker.worker_id, exc.code().name)
+            await sync_delivered(p, redis)
             return None
+        # The caller writes the error event first and then syncs, so that a token the worker
+        # appends meanwhile is either before the error event (and billed) or refused.
         raise RequestFailed(exc.code().name, exc.details() or exc.code().name) from exc
+    except queue.IndexTaken:
+        call.cancel()
+        log.warning("request %s: its result stream moved past this attempt", p.entry.request_id)
+        await sync_delivered(p, redis)
+        return None
     log.warning("request %s: worker %s ended the stream without a final", p.entry.request_id,
                 worker.worker_id)
+    await sync_delivered(p, redis)
     return None
 
 

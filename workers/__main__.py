@@ -114,9 +114,10 @@ async def main() -> None:
     device_type = args.device if args.device != "cuda" else f"cuda:{_cuda_name()}"
     # Uptime reports from here on: costd bills idle capacity as uptime minus attributed time.
     capacity = asyncio.create_task(report_capacity(tracer, args.worker_id, device_type))
-    servicer = WorkerServicer(engine, Tokenizer.from_gguf(spec.gguf_path), spec.name, args.worker_id,
-                              device_type, quantization, tracer)
     redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True, socket_connect_timeout=2.0)
+    # The same connection pool writes the result streams of requests the router routes here.
+    servicer = WorkerServicer(engine, Tokenizer.from_gguf(spec.gguf_path), spec.name, args.worker_id,
+                              device_type, quantization, tracer, results=redis)
     lease_task: list[asyncio.Task] = []
 
     def ready(address: str) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 import time
 
 from opentelemetry import trace
+from redis.exceptions import RedisError
 
-from llmmesh import telemetry
-from llmmesh.errors import DeadlineExceeded, Internal, InvalidArgument, NotFound
+from llmmesh import queue, telemetry
+from llmmesh.errors import Aborted, DeadlineExceeded, Internal, InvalidArgument, NotFound, Unavailable
 from llmmesh.tokenizer import IncrementalDetokenizer
 from llmmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from workers.engine.async_engine import AsyncEngine
@@ -14,8 +15,8 @@ from workers.engine.sampling import SamplingParams
 
 INTERACTIVE, BATCH = 0, 1
 # Batch-class tokens travel in chunks: nobody watches them arrive one by one, and every message
-# costs CPU in this worker, the router (a Redis XADD) and the gateway, which on a shared host is
-# taken from the engine's steps. A chunk goes out at this many tokens or this age, and always
+# costs CPU in this worker, Redis and the gateway, which on a shared host is taken from the
+# engine's steps. A chunk goes out at this many tokens or this age, and always
 # before the final. Interactive tokens go out as they come.
 BATCH_CHUNK_TOKENS = 16
 BATCH_CHUNK_S = 0.25
@@ -52,8 +53,11 @@ def _sampling(s: common_pb2.SamplingParams, stop_token_ids) -> SamplingParams:
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, worker_id: str,
-                 device_type: str, quantization: str, tracer: trace.Tracer):
+                 device_type: str, quantization: str, tracer: trace.Tracer, results=None):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        # Redis client (redis.asyncio) for requests that name a result stream; None: tokens
+        # always travel in the gRPC stream.
+        self.results = results
         self.worker_id, self.device_type, self.quantization = worker_id, device_type, quantization
         self.tracer = tracer
         self.num_requests_total = 0
@@ -91,6 +95,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         ids: list[int] = []
         logprobs: list[float] = []
         oldest = 0.0
+        # Straight to the request's result stream (one hop less per token than relaying them
+        # through the router), when asked and able to.
+        stream = request.result_stream if self.results is not None else ""
+        written: list[int] = []
         try:
             async for out in outputs:
                 if out.new_token_ids:
@@ -107,16 +115,32 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 if ids and (priority == INTERACTIVE or out.finished or matcher.matched
                             or len(ids) >= BATCH_CHUNK_TOKENS
                             or time.monotonic() - oldest >= BATCH_CHUNK_S):
-                    yield worker_pb2.WorkerGenerateResponse(tokens=worker_pb2.WorkerTokens(
-                        index=index, token_ids=ids, logprobs=logprobs))
+                    if stream:
+                        await self._append(stream, index, ids, logprobs)
+                        written += ids
+                    else:
+                        yield worker_pb2.WorkerGenerateResponse(tokens=worker_pb2.WorkerTokens(
+                            index=index, token_ids=ids, logprobs=logprobs))
                     index += len(ids)
                     ids, logprobs = [], []
                 if out.finished:
                     reason = "stop" if matcher.matched else out.finish_reason
-                    yield self._final(reason, out.usage, span)
+                    final = self._final(reason, out.usage, span)
+                    final.final.token_ids.extend(written)
+                    yield final
                     return
         finally:
             await outputs.aclose()
+
+    async def _append(self, stream: str, index: int, ids: list[int], logprobs: list[float]) -> None:
+        try:
+            await queue.append_tokens(self.results, stream, index, ids, logprobs)
+        except queue.IndexTaken as exc:
+            # Another attempt owns this request now: stop (the engine aborts it on close).
+            raise Aborted(f"worker {self.worker_id}: {exc}") from exc
+        except RedisError as exc:
+            raise Unavailable(f"worker {self.worker_id} cannot write the result stream "
+                              f"({type(exc).__name__}); retry") from exc
 
     def _final(self, reason: str, usage, span) -> worker_pb2.WorkerGenerateResponse:
         self.num_prompt_tokens_total += usage.prompt_tokens

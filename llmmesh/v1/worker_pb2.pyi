@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "tenant_id", "model", "prompt_token_ids", "sampling", "request_class", "cache_salt", "deadline_unix_ns", "start_index", "num_original_prompt_tokens")
+    __slots__ = ("request_id", "tenant_id", "model", "prompt_token_ids", "sampling", "request_class", "cache_salt", "deadline_unix_ns", "start_index", "num_original_prompt_tokens", "result_stream")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class WorkerGenerateRequest(_message.Message):
     DEADLINE_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
     START_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_ORIGINAL_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_STREAM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant_id: str
     model: str
@@ -29,7 +30,8 @@ class WorkerGenerateRequest(_message.Message):
     deadline_unix_ns: int
     start_index: int
     num_original_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., tenant_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_class: _Optional[_Union[_common_pb2.RequestClass, str]] = ..., cache_salt: _Optional[str] = ..., deadline_unix_ns: _Optional[int] = ..., start_index: _Optional[int] = ..., num_original_prompt_tokens: _Optional[int] = ...) -> None: ...
+    result_stream: str
+    def __init__(self, request_id: _Optional[str] = ..., tenant_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_class: _Optional[_Union[_common_pb2.RequestClass, str]] = ..., cache_salt: _Optional[str] = ..., deadline_unix_ns: _Optional[int] = ..., start_index: _Optional[int] = ..., num_original_prompt_tokens: _Optional[int] = ..., result_stream: _Optional[str] = ...) -> None: ...
 
 class WorkerTokens(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs")
@@ -42,12 +44,14 @@ class WorkerTokens(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class WorkerFinal(_message.Message):
-    __slots__ = ("finish_reason", "usage")
+    __slots__ = ("finish_reason", "usage", "token_ids")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
-    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
     __slots__ = ("tokens", "final")

@@ -82,7 +82,7 @@ def test_two_tenants_two_classes_billed_as_told(mesh, gateway):
 
 
 def test_batch_tokens_come_in_chunks_interactive_ones_one_by_one(gateway):
-    """Batch streams are relayed in chunks (fewer messages through worker, router and gateway),
+    """Batch streams come in chunks (fewer result-stream events for worker, Redis and gateway),
     still numbered densely; interactive streams get every token as it is made."""
     sizes = {}
     for cls in (common_pb2.REQUEST_CLASS_BATCH, common_pb2.REQUEST_CLASS_INTERACTIVE):

@@ -1,6 +1,7 @@
-"""Router failure paths with real redis, costd, router and gateway processes and an in-test
-WorkerService that fails on purpose (no model needed): dead-lettering after 3 failed attempts,
-and an expired deadline that never reaches a worker."""
+"""Router failure paths with real redis, costd, router and gateway processes and in-test
+WorkerServices that fail on purpose (no model needed): dead-lettering after 3 failed attempts,
+an expired deadline that never reaches a worker, a worker that dies after appending tokens to
+the result stream itself, and the result stream refusing a second writer of an index."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ from concurrent import futures
 import grpc
 import pytest
 import redis
+import redis.asyncio as aioredis
 
 from llmmesh import queue
 from llmmesh.launcher import Mesh
@@ -99,3 +101,70 @@ def test_expired_deadline_never_reaches_a_worker(mesh, failing):
              for _, f in redis.Redis.from_url(mesh.redis_url, decode_responses=True).xrange(k)
              if queue.decode_event(f)["kind"] == "error"]
     assert codes == ["DEADLINE_EXCEEDED"]
+
+
+class HandoffWorker(FailingWorker):
+    """The first call anywhere appends 3 tokens to the request's result stream itself (as real
+    workers do) and then dies; later calls send their tokens in the gRPC stream (as a direct
+    caller gets them), which the router must append after the first worker's."""
+
+    shared: dict = {}
+
+    def __init__(self, redis_url: str):
+        super().__init__()
+        self.redis_url = redis_url
+
+    def Generate(self, request, context):
+        HandoffWorker.shared.setdefault("calls", []).append(request)
+        if len(HandoffWorker.shared["calls"]) == 1:
+            r = redis.Redis.from_url(self.redis_url)
+            for i, token in enumerate([11, 12, 13]):
+                r.xadd(request.result_stream, queue.tokens_event(i, [token]),
+                       id=queue.token_entry_id(i))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "died after 3 tokens")
+        yield worker_pb2.WorkerGenerateResponse(tokens=worker_pb2.WorkerTokens(
+            index=request.start_index, token_ids=[14, 15]))
+        yield worker_pb2.WorkerGenerateResponse(final=worker_pb2.WorkerFinal(
+            finish_reason=common_pb2.FINISH_REASON_STOP,
+            usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=2)))
+
+
+def test_worker_dying_after_appending_tokens_itself_resumes_after_them(mesh):
+    HandoffWorker.shared.clear()
+    workers = [HandoffWorker(mesh.redis_url) for _ in range(2)]
+    try:
+        for i, w in enumerate(workers):
+            w.register(mesh.redis_url, f"handoff{i}")
+        done = _stub(mesh).Complete(gateway_pb2.CompleteRequest(request=chat("Hello?", 8)),
+                                    metadata=auth(DEMO_KEYS["acme"]), timeout=60)
+    finally:
+        for w in workers:
+            w.server.stop(0)
+    first, second = HandoffWorker.shared["calls"]
+    assert first.result_stream == queue.result_stream(first.request_id)
+    # The retry continues from what the stream holds: no token twice, none lost.
+    assert list(done.token_ids) == [11, 12, 13, 14, 15]
+    assert second.start_index == 3 and second.sampling.max_tokens == 8 - 3
+    assert list(second.prompt_token_ids) == list(first.prompt_token_ids) + [11, 12, 13]
+    assert done.final.usage.completion_tokens == 5
+
+
+def test_result_stream_refuses_a_second_writer_of_an_index(redis_server):
+    async def run():
+        r = aioredis.Redis.from_url(redis_server.url)
+        stream = queue.result_stream("fence")
+        await queue.append_tokens(r, stream, 0, [1, 2])
+        await queue.append_tokens(r, stream, 2, [3])
+        with pytest.raises(queue.IndexTaken):       # a replaced attempt writing index 2 again
+            await queue.append_tokens(r, stream, 2, [9])
+        with pytest.raises(queue.IndexTaken):       # or an earlier one
+            await queue.append_tokens(r, stream, 1, [9])
+        await r.xadd(stream, queue.final_event("stop", {}))
+        with pytest.raises(queue.IndexTaken):       # nothing after the final
+            await queue.append_tokens(r, stream, 3, [4])
+        events = [queue.decode_event(f) for _, f in await r.xrange(stream)]
+        await r.aclose()
+        return events
+    events = asyncio.run(run())
+    assert [(e["kind"], e.get("ids")) for e in events] == [
+        ("tokens", [1, 2]), ("tokens", [3]), ("final", None)]

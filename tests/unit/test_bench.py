@@ -291,3 +291,23 @@ def test_llama_server_stream_is_read_as_tokens_then_usage(tmp_path, tok):
         asyncio.run(run(503))
     assert parse_metrics("# HELP x\nllamacpp:requests_deferred 2\nother 1\n") == \
         {"requests_deferred": 2.0}
+
+
+def test_overhead_report_judges_paired_differences_and_shows_the_hops_apart():
+    from bench import overhead
+    rows = [{"mesh": {"ttft_s": 0.100 + i * 1e-3, "tpot_s": 0.0081, "ttft_outside_engine_s": 0.004},
+             "direct": {"ttft_s": 0.097 + i * 1e-3, "tpot_s": 0.0080, "ttft_outside_engine_s": 0.001}}
+            for i in range(9)]
+    summary = overhead.summarise(rows)
+    assert summary["ttft_s"]["added_p50"] == pytest.approx(0.003)
+    assert summary["tpot_s"]["added_p50"] == pytest.approx(0.0001)
+    assert summary["ttft_outside_engine_s"]["added_p50"] == pytest.approx(0.003)
+    env = {"machine": "test box", "load_average_at_start": [0, 0, 0], "commit": "abc"}
+    text = overhead.report({"summary": summary, "describe": "mesh"}, "python -m bench.overhead", env)
+    assert "| TTFT | 104.0 | 101.0 | +3.00 |" in text and "≤ 5 ✅" in text
+    assert "| time per output token | 8.1 | 8.0 | +0.10 |" in text and "≤ 0.5 ✅" in text
+    assert "| TTFT outside the engine |" in text and "(diagnostic)" in text
+    # Older runs without usage in their rows still summarise (no diagnostic row).
+    for r in rows:
+        del r["mesh"]["ttft_outside_engine_s"]
+    assert "ttft_outside_engine_s" not in overhead.summarise(rows)

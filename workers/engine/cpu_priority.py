@@ -1,7 +1,7 @@
 """OS scheduling priority for steps that hold only batch-class work (CPU devices).
 
 On a CPU host the engine's step shares cores with everything else: another worker's steps, the
-router and gateway relaying tokens, Redis. A step with no interactive request in it is
+gateway relaying tokens, the router, Redis. A step with no interactive request in it is
 background work, so it runs at a higher nice value; whoever has a user waiting — this worker's
 next interactive step, another worker's prefill, the relays — gets the core first. On an
 accelerator the step's CPU time is mostly launch overhead and this is left off.

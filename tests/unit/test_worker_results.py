@@ -1,0 +1,86 @@
+"""WorkerServicer with a real Redis and a tiny random model: a request that names a result stream
+gets its tokens appended there by the worker (and listed in the final message), a request that
+does not gets them in the gRPC stream, and a worker whose index was already written stops."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+from opentelemetry import trace
+
+from llmmesh import queue
+from llmmesh.errors import Aborted
+from llmmesh.v1 import common_pb2, worker_pb2
+from tests.unit.test_engine import engine_config, model  # noqa: F401 (fixture)
+from workers.engine import AsyncEngine
+from workers.servicer import WorkerServicer
+
+
+class _Tokenizer:
+    stop_token_ids = ()
+
+
+class _Context:
+    def invocation_metadata(self):
+        return ()
+
+
+def _request(rid: str, stream: str = "", cls=common_pb2.REQUEST_CLASS_INTERACTIVE):
+    return worker_pb2.WorkerGenerateRequest(
+        request_id=rid, tenant_id="t", model="tiny", prompt_token_ids=[5, 6, 7, 8, 9],
+        sampling=common_pb2.SamplingParams(max_tokens=6, temperature=0), request_class=cls,
+        result_stream=stream)
+
+
+def _run(model, redis_url: str, *requests):
+    async def main():
+        engine = AsyncEngine(engine_config(), model)
+        await engine.start()
+        redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
+        servicer = WorkerServicer(engine, _Tokenizer(), "tiny", "w0", "cpu", "fp32",
+                                  trace.get_tracer("test"), results=redis)
+        out = []
+        try:
+            for req in requests:
+                try:
+                    out.append([m async for m in servicer.Generate(req, _Context())])
+                except Aborted as exc:
+                    out.append(exc)
+            streams = {req.result_stream: await redis.xrange(req.result_stream)
+                       for req in requests if req.result_stream}
+        finally:
+            await redis.aclose()
+            await engine.shutdown()
+        return out, streams
+    return asyncio.run(main())
+
+
+def test_worker_appends_tokens_to_the_named_stream_and_lists_them_in_the_final(model, redis_server):
+    stream = queue.result_stream("direct")
+    (to_redis, in_grpc), streams = _run(model, redis_server.url, _request("a", stream), _request("b"))
+    # Named stream: the gRPC stream holds only the final, which lists this attempt's tokens.
+    assert [m.WhichOneof("kind") for m in to_redis] == ["final"]
+    written = list(to_redis[0].final.token_ids)
+    assert len(written) == to_redis[0].final.usage.completion_tokens >= 1
+    events = streams[stream]
+    assert [entry_id for entry_id, _ in events] == [queue.token_entry_id(i)
+                                                    for i in range(len(written))]
+    assert [queue.decode_event(f)["ids"][0] for _, f in events] == written
+    # No stream named: every token in the gRPC stream, nothing listed in the final.
+    assert [m.WhichOneof("kind") for m in in_grpc] == ["tokens"] * len(written) + ["final"]
+    assert [m.tokens.token_ids[0] for m in in_grpc[:-1]] == written   # same greedy output
+    assert list(in_grpc[-1].final.token_ids) == []
+
+
+def test_worker_stops_when_its_index_was_already_written(model, redis_server):
+    stream = queue.result_stream("taken")
+
+    async def occupy():
+        r = aioredis.Redis.from_url(redis_server.url)
+        await queue.append_tokens(r, stream, 3, [1])   # a later attempt got further
+        await r.aclose()
+    asyncio.run(occupy())
+    (outcome,), streams = _run(model, redis_server.url, _request("c", stream))
+    assert isinstance(outcome, Aborted) and "index 0 was already delivered" in str(outcome)
+    assert [entry_id for entry_id, _ in streams[stream]] == [queue.token_entry_id(3)]
