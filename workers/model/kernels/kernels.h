@@ -12,6 +12,8 @@ using ChunkFn = std::function<void(int64_t, int64_t)>;
 
 // fn over [0, n) in chunks of `grain`, shared with the pool's helpers (pool.cpp).
 void parallel_chunks(int64_t n, int64_t grain, const ChunkFn& fn);
+// Sends the pool's spinning helpers to sleep: call before ATen's own parallel work.
+void park_pool_helpers();
 
 bool attention_split_k();
 void set_attention_split_k(bool on);

@@ -9,7 +9,9 @@
 // A batch-1 decode step forks ~150 times (4 projections + attention per layer, 30 layers), each
 // job 5-50 us. Waking a helper through a futex costs ~5-20 us, so after each job helpers spin on
 // the generation counter for a while (LLMMESH_POOL_SPIN_US, default 300) before they sleep; the
-// caller only takes the lock and notifies when some helper actually sleeps.
+// caller only takes the lock and notifies when some helper actually sleeps. Before handing the
+// cores to ATen's own threads (the bf16 GEMMs of prefill), park_pool_helpers() sends spinning
+// helpers to sleep at once: spinning beside oneDNN's threads cost prefill ~20%.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -53,9 +55,13 @@ class Pool {
 
   int size() const { return static_cast<int>(threads_.size()) + 1; }
 
+  // Helpers stop spinning and sleep until the next run.
+  void park() { park_.store(true, std::memory_order_relaxed); }
+
   void run(int64_t n, int64_t grain, const ChunkFn& fn) {
     // Only one run at a time and none in flight: every helper that joined the last run has left
     // (active_ == 0 below), so these plain fields are not read concurrently.
+    park_.store(false, std::memory_order_relaxed);
     fn_ = &fn;
     n_ = n;
     grain_ = grain;
@@ -94,6 +100,7 @@ class Pool {
     for (int i = 0;; ++i) {
       const uint64_t g = generation_.load();
       if (g != seen || stop_.load()) return g;
+      if (park_.load(std::memory_order_relaxed)) break;
       _mm_pause();
       if ((i & 63) == 63) {
         // Yield: free on an idle core, and on a loaded host the core goes to whoever is ready
@@ -130,24 +137,31 @@ class Pool {
   std::atomic<int64_t> next_{0};
   std::atomic<int> active_{0}, sleepers_{0};
   std::atomic<uint64_t> generation_{0};
-  std::atomic<bool> open_{false}, stop_{false};
+  std::atomic<bool> open_{false}, stop_{false}, park_{false};
 };
+
+// The one pool (the engine has one caller); see parallel_chunks.
+std::unique_ptr<Pool> g_pool;
+std::mutex g_pool_guard;
 
 }  // namespace
 
 void parallel_chunks(int64_t n, int64_t grain, const ChunkFn& fn) {
   // Sized by torch's thread count (EngineConfig.num_threads sets it); rebuilt if that changes.
-  static std::unique_ptr<Pool> pool;
-  static std::mutex guard;
   const int threads = at::get_num_threads();
   grain = std::max<int64_t>(grain, 1);
   if (threads <= 1 || n <= grain) {
     fn(0, n);
     return;
   }
-  std::lock_guard<std::mutex> lock(guard);   // one caller at a time (the engine has one)
-  if (!pool || pool->size() != threads) pool = std::make_unique<Pool>(threads - 1);
-  pool->run(n, grain, fn);
+  std::lock_guard<std::mutex> lock(g_pool_guard);   // one caller at a time (the engine has one)
+  if (!g_pool || g_pool->size() != threads) g_pool = std::make_unique<Pool>(threads - 1);
+  g_pool->run(n, grain, fn);
+}
+
+void park_pool_helpers() {
+  std::lock_guard<std::mutex> lock(g_pool_guard);
+  if (g_pool) g_pool->park();
 }
 
 }  // namespace llmk

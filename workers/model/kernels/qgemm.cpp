@@ -395,6 +395,7 @@ at::Tensor qgemm_dense(const at::Tensor& x, const at::Tensor& w, int64_t pre,
     });
     xb = rows.to(at::kBFloat16);
   }
+  park_pool_helpers();   // the cores are oneDNN's now
   const at::Tensor yb = at::mm(xb, w.t());
   if (!out.has_value()) return yb.to(at::kFloat);
   at::Tensor y = out.value();
