@@ -176,6 +176,47 @@ def test_fused_attention_matches_torch_paged_attention_on_a_mixed_batch():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 2), (2, 2)])
+@pytest.mark.parametrize("tiles", [True, False])
+def test_prompt_spans_tiled_attention_matches_torch(heads, kv_heads, tiles):
+    """Head size 64: prompt chunks of 8+ rows take the register-tiled span path (with and
+    without earlier context, row counts that leave partial tiles), beside decodes and a short
+    chunk that stay per row; both paths agree with the torch reference."""
+    from workers.model.attention import (AttentionMetadata, fused_paged_attention,
+                                         paged_attention, prepare_attention, write_kv)
+    gen = torch.Generator().manual_seed(11)
+    dim, block, num_blocks = 64, 16, 64
+    cache = torch.randn(2, num_blocks, block, kv_heads, dim, generator=gen)
+    # (context before this step, new tokens)
+    shapes = [(30, 1), (37, 20), (0, 45), (12, 5), (0, 8), (100, 1), (3, 130)]
+    width = max(-(-(c + n) // block) for c, n in shapes)
+    tables, slots, starts = [], [], [0]
+    free = iter(torch.randperm(num_blocks, generator=gen).tolist())
+    for context, new in shapes:
+        table = [next(free) for _ in range(-(-(context + new) // block))]
+        tables.append(table + [0] * (width - len(table)))
+        slots += [table[p // block] * block + p % block for p in range(context, context + new)]
+        starts.append(starts[-1] + new)
+    total = starts[-1]
+    meta = AttentionMetadata(torch.tensor(slots), torch.tensor(starts),
+                             torch.tensor([c + n for c, n in shapes]), torch.tensor(tables),
+                             max_seq_len=max(c + n for c, n in shapes),
+                             max_query_len=max(n for _, n in shapes))
+    plan = prepare_attention(meta, block)
+    qkv = torch.randn(total, (heads + 2 * kv_heads) * dim, generator=gen)
+    q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    q = q.reshape(total, heads, dim)
+    k, v = k.reshape(total, kv_heads, dim), v.reshape(total, kv_heads, dim)
+    write_kv(cache, plan.slot_mapping, k, v)
+    expected = paged_attention(q, k, v, cache, plan).reshape(total, heads * dim)
+    ext.set_tunable("attention_prompt_tiles", float(tiles))
+    try:
+        out = fused_paged_attention(ext, qkv, cache, plan, heads, kv_heads)
+    finally:
+        ext.set_tunable("attention_prompt_tiles", 1.0)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("context", [40, 300])
 @pytest.mark.parametrize("split_k", [True, False])
 def test_fused_attention_batch_one_split_over_keys(context, split_k):

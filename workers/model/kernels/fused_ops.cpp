@@ -16,6 +16,7 @@ namespace {
 
 bool g_split_k = true;
 bool g_attention_prefetch = true;
+bool g_prompt_tiles = true;
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.stride(1) == 1, name,
@@ -27,6 +28,7 @@ void check_rows(const at::Tensor& t, const char* name) {
 bool attention_split_k() { return g_split_k; }
 void set_attention_split_k(bool on) { g_split_k = on; }
 void set_attention_prefetch(bool on) { g_attention_prefetch = on; }
+void set_attention_prompt_tiles(bool on) { g_prompt_tiles = on; }
 
 // out = w * x * rsqrt(mean(x^2) + eps), row by row (HF LlamaRMSNorm in fp32).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -241,6 +243,203 @@ static void combine_partials(const float* acc, const float* stats, int64_t parts
   }
 }
 
+// ---- Prompt spans: GEMM-shaped attention ------------------------------------------------------
+// A prompt chunk's rows are consecutive tokens of one sequence: row t sees keys [0, len0 + t).
+// Per row and head the generic path streams every key through one dot product (~33 GFLOP/s
+// here); a span instead packs its KV head's keys once, transposed in blocks of 16 (kt) and its
+// values densely (vc), then computes 6 query vectors (the group's heads of consecutive rows)
+// against 16 keys at a time in 12 accumulators: a register-blocked GEMM for Q K^T and for P V.
+
+constexpr int64_t kSpanMinRows = 8;   // shorter prompt chunks stay on the per-row path
+constexpr int kTile = 6;              // query vectors per tile
+
+struct PromptSpan {
+  int64_t first;   // index i of its first row in the rows/lens arrays
+  int64_t rows;
+  int64_t max_len; // keys seen by its last row
+  int64_t packed;  // offset of its packed K/V (all KV heads) in the scratch buffer
+};
+
+static int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
+static int64_t packed_floats(int64_t max_len) { return pad16(max_len) * 64 * 2; }
+
+// kt [blocks][64][16] (zero beyond len) and vc [len][64] for one KV head.
+static void pack_head(const float* keys, const float* values, const int64_t* table,
+                      int64_t block_size, int64_t token_stride, int64_t head_offset, int64_t len,
+                      float* kt, float* vc) {
+  for (int64_t j = 0; j < len; ++j) {
+    const int64_t at = (table[j / block_size] * block_size + j % block_size) * token_stride + head_offset;
+    const float* k = keys + at;
+    float* dst = kt + (j / 16) * 1024 + (j % 16);
+    for (int d = 0; d < 64; ++d) dst[d * 16] = k[d];
+    std::copy(values + at, values + at + 64, vc + j * 64);
+  }
+  for (int64_t j = len; j < pad16(len); ++j) {
+    float* dst = kt + (j / 16) * 1024 + (j % 16);
+    for (int d = 0; d < 64; ++d) dst[d * 16] = 0.0f;
+  }
+}
+
+// Up to kTile query vectors q[v] (d = 64) of one KV head, vector v seeing keys [0, lens[v]).
+// Unused slots repeat the last vector and write to a scratch row.
+static void attend_tile(const float* const* q, float* const* out, const int64_t* lens,
+                        const float* kt, const float* vc, float scale, std::vector<float>& s) {
+  int64_t lmax = 0;
+  for (int v = 0; v < kTile; ++v) lmax = std::max(lmax, lens[v]);
+  const int64_t stride = pad16(lmax), blocks = stride / 16;
+  s.resize(kTile * stride);
+  float* sc = s.data();
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 acc[kTile][2];
+#pragma GCC unroll 6
+    for (int v = 0; v < kTile; ++v) acc[v][0] = acc[v][1] = _mm256_setzero_ps();
+    const float* kb = kt + b * 1024;
+    for (int d = 0; d < 64; ++d) {
+      const __m256 k0 = _mm256_loadu_ps(kb + d * 16), k1 = _mm256_loadu_ps(kb + d * 16 + 8);
+#pragma GCC unroll 6
+      for (int v = 0; v < kTile; ++v) {
+        const __m256 x = _mm256_broadcast_ss(q[v] + d);
+        acc[v][0] = _mm256_fmadd_ps(x, k0, acc[v][0]);
+        acc[v][1] = _mm256_fmadd_ps(x, k1, acc[v][1]);
+      }
+    }
+#pragma GCC unroll 6
+    for (int v = 0; v < kTile; ++v) {
+      _mm256_storeu_ps(sc + v * stride + b * 16, _mm256_mul_ps(acc[v][0], vscale));
+      _mm256_storeu_ps(sc + v * stride + b * 16 + 8, _mm256_mul_ps(acc[v][1], vscale));
+    }
+  }
+  float inv[kTile];
+  for (int v = 0; v < kTile; ++v) {   // softmax over the vector's own keys; zero after them
+    float* row = sc + v * stride;
+    const int64_t n = lens[v];
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, row[j]);
+    __m256 sum = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const __m256 e = vm::exp(_mm256_sub_ps(_mm256_loadu_ps(row + j), _mm256_set1_ps(mx)));
+      _mm256_storeu_ps(row + j, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    float total = vm::hsum(sum);
+    for (; j < n; ++j) total += (row[j] = std::exp(row[j] - mx));
+    for (j = n; j < lmax; ++j) row[j] = 0.0f;
+    inv[v] = 1.0f / total;
+  }
+  for (int half = 0; half < 2; ++half) {       // P V: 3 vectors x 32 dims in 12 accumulators
+    for (int t = 0; t < kTile; t += 3) {
+      __m256 acc[3][4];
+#pragma GCC unroll 3
+      for (int x = 0; x < 3; ++x)
+        for (int i = 0; i < 4; ++i) acc[x][i] = _mm256_setzero_ps();
+      const float* p0 = sc + t * stride;
+      for (int64_t j = 0; j < lmax; ++j) {
+        const float* vr = vc + j * 64 + half * 32;
+        const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8),
+                     v2 = _mm256_loadu_ps(vr + 16), v3 = _mm256_loadu_ps(vr + 24);
+#pragma GCC unroll 3
+        for (int x = 0; x < 3; ++x) {
+          const __m256 w = _mm256_broadcast_ss(p0 + x * stride + j);
+          acc[x][0] = _mm256_fmadd_ps(w, v0, acc[x][0]);
+          acc[x][1] = _mm256_fmadd_ps(w, v1, acc[x][1]);
+          acc[x][2] = _mm256_fmadd_ps(w, v2, acc[x][2]);
+          acc[x][3] = _mm256_fmadd_ps(w, v3, acc[x][3]);
+        }
+      }
+      for (int x = 0; x < 3; ++x) {
+        const __m256 r = _mm256_set1_ps(inv[t + x]);
+        for (int i = 0; i < 4; ++i)
+          _mm256_storeu_ps(out[t + x] + half * 32 + 8 * i, _mm256_mul_ps(acc[x][i], r));
+      }
+    }
+  }
+}
+
+// Finds the prompt spans among the rows (consecutive rows of one block-table row whose lengths
+// grow by one); returns them and marks their rows in `in_span`.
+static std::vector<PromptSpan> find_spans(const int64_t* row_idx, const int64_t* table_idx,
+                                          const int64_t* lens, int64_t count,
+                                          std::vector<char>& in_span, int64_t& packed_total) {
+  std::vector<PromptSpan> spans;
+  packed_total = 0;
+  in_span.assign(count, 0);
+  for (int64_t i = 0; i < count;) {
+    int64_t e = i + 1;
+    while (e < count && table_idx[e] == table_idx[i] && lens[e] == lens[e - 1] + 1 &&
+           row_idx[e] == row_idx[e - 1] + 1)
+      ++e;
+    if (e - i >= kSpanMinRows) {
+      spans.push_back(PromptSpan{i, e - i, lens[e - 1], packed_total});
+      std::fill(in_span.begin() + i, in_span.begin() + e, 1);
+    }
+    i = e;
+  }
+  return spans;
+}
+
+// Every span's rows, all heads: pack per (span, KV head), then tiles of kTile query vectors
+// ordered (row, head within the KV group), heaviest tiles first.
+static void attend_spans(const std::vector<PromptSpan>& spans_in, const float* qbase,
+                         int64_t q_stride, float* obase, int64_t o_stride, const int64_t* row_idx,
+                         const int64_t* table_idx, const int64_t* lens, const int64_t* tables,
+                         int64_t table_stride, const float* keys, const float* values,
+                         int64_t block_size, int64_t token_stride, int64_t num_heads,
+                         int64_t num_kv_heads, float scale) {
+  std::vector<PromptSpan> spans = spans_in;
+  const int64_t group = num_heads / num_kv_heads;
+  int64_t total = 0;
+  for (auto& sp : spans) {
+    sp.packed = total;
+    total += packed_floats(sp.max_len) * num_kv_heads;
+  }
+  // The caller's buffer, reused across calls; helpers get its address (a thread_local named in
+  // the lambdas would be each helper's own, empty one).
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < total) buffer.resize(total);
+  float* const packed = buffer.data();
+  const int64_t jobs = static_cast<int64_t>(spans.size()) * num_kv_heads;
+  parallel_chunks(jobs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t job = begin; job < end; ++job) {
+      const PromptSpan& sp = spans[job / num_kv_heads];
+      const int64_t g = job % num_kv_heads;
+      float* kt = packed + sp.packed + g * packed_floats(sp.max_len);
+      const int64_t* table = tables + table_idx[sp.first] * table_stride;
+      pack_head(keys, values, table, block_size, token_stride, g * 64, sp.max_len, kt,
+                kt + pad16(sp.max_len) * 64);
+    }
+  });
+  struct Tile { int32_t span, head; int64_t first; };   // first vector, ordered (row, head)
+  std::vector<Tile> tiles;
+  for (int32_t si = static_cast<int32_t>(spans.size()) - 1; si >= 0; --si) {
+    const int64_t vectors = spans[si].rows * group;
+    for (int64_t v = (vectors - 1) / kTile * kTile; v >= 0; v -= kTile)
+      for (int32_t g = 0; g < num_kv_heads; ++g) tiles.push_back(Tile{si, g, v});
+  }
+  parallel_chunks(static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scores;
+    float scratch[64];
+    for (int64_t ti = begin; ti < end; ++ti) {
+      const Tile& tile = tiles[ti];
+      const PromptSpan& sp = spans[tile.span];
+      const float* kt = packed + sp.packed + tile.head * packed_floats(sp.max_len);
+      const float* q[kTile];
+      float* out[kTile];
+      int64_t len[kTile];
+      const int64_t vectors = sp.rows * group;
+      for (int v = 0; v < kTile; ++v) {
+        const int64_t vec = std::min(tile.first + v, vectors - 1);
+        const int64_t i = sp.first + vec / group, h = tile.head * group + vec % group;
+        q[v] = qbase + row_idx[i] * q_stride + h * 64;
+        out[v] = tile.first + v < vectors ? obase + row_idx[i] * o_stride + h * 64 : scratch;
+        len[v] = lens[i];
+      }
+      attend_tile(q, out, len, kt, kt + pad16(sp.max_len) * 64, scale, scores);
+    }
+  });
+}
+
 // Attention for any mix of decode and prompt tokens, all read from the paged cache: query row
 // rows[i] attends to the first seq_lens[i] tokens of block-table row table_rows[i] (a prompt
 // token's own causal length). Rows are dealt out zig-zag (first, last, second, ...), so the
@@ -263,6 +462,34 @@ void paged_attention(const at::Tensor& qkv, const at::Tensor& rows, const at::Te
   const int64_t *table_idx = table_rows.data_ptr<int64_t>(), *tables = block_tables.data_ptr<int64_t>();
   const float* qbase = qkv.data_ptr<float>();
   float* obase = out.data_ptr<float>();
+  // Prompt chunks of kSpanMinRows+ rows go through the tiled path; the other rows (decodes,
+  // short chunks) through the per-row one below.
+  std::vector<char> in_span;
+  int64_t packed_total = 0;
+  std::vector<PromptSpan> spans;
+  if (d == 64 && g_prompt_tiles && count >= kSpanMinRows)
+    spans = find_spans(row_idx, table_idx, lens, count, in_span, packed_total);
+  if (!spans.empty()) {
+    attend_spans(spans, qbase, qkv.stride(0), obase, out.stride(0), row_idx, table_idx, lens,
+                 tables, block_tables.stride(0), keys, values, block_size, token_stride,
+                 num_heads, num_kv_heads, static_cast<float>(scale));
+    std::vector<int64_t> rest;
+    for (int64_t i = 0; i < count; ++i)
+      if (!in_span[i]) rest.push_back(i);
+    if (rest.empty()) return;
+    // The remaining rows, one task each (all heads): few of them, next to a prompt.
+    parallel_chunks(static_cast<int64_t>(rest.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> p;
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t i = rest[t];
+        const int64_t* table = tables + table_idx[i] * block_tables.stride(0);
+        attend_heads_d64(qbase + row_idx[i] * qkv.stride(0), obase + row_idx[i] * out.stride(0),
+                         0, num_heads, group, keys, values, table, 0, lens[i], block_size,
+                         token_stride, static_cast<float>(scale), p);
+      }
+    });
+    return;
+  }
   int64_t total_keys = 0;
   for (int64_t i = 0; i < count; ++i) total_keys += lens[i];
   auto body = [&](int64_t begin, int64_t end) {

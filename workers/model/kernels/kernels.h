@@ -18,6 +18,8 @@ void park_pool_helpers();
 bool attention_split_k();
 void set_attention_split_k(bool on);
 void set_attention_prefetch(bool on);
+// Prompt chunks of 8+ rows through the register-tiled span path (default on; off: per row).
+void set_attention_prompt_tiles(bool on);
 std::string qgemm_isa();
 int64_t qgemm_vnni_mode();
 void set_tunable(const std::string& name, double value);

@@ -285,6 +285,7 @@ void set_tunable(const std::string& name, double value) {
   else if (name == "parallel_min_us") g_parallel_min_us = value;
   else if (name == "attention_prefetch") set_attention_prefetch(value != 0.0);
   else if (name == "attention_split_k") set_attention_split_k(value != 0.0);
+  else if (name == "attention_prompt_tiles") set_attention_prompt_tiles(value != 0.0);
   else TORCH_CHECK(false, "unknown tunable ", name);
 }
 
