@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from gateway.tenants import Tenant
 from gateway.textstream import TextStream
@@ -69,11 +70,12 @@ class Frontend:
                 telemetry.REQUEST_CLASS: request_class})
             entry = self.build_entry(tenant, req, request_class, deadline_unix_ns)
             try:
-                entry.reservation = (await self._admit(tenant, req, deadline_unix_ns)).to_dict()
+                reservation = await self._admit_and_claim(tenant, req, entry, deadline_unix_ns)
+                entry.reservation = reservation.to_dict()
                 try:
-                    await self._enqueue(entry)
+                    await self.redis.xadd(queue.queue_stream(entry.request_class), entry.encode())
                 except BaseException:
-                    await self.admission.settle(Reservation(**entry.reservation), 0)
+                    await self.admission.settle(reservation, 0)
                     raise
                 async for out in self._relay(req, request_class, deadline_unix_ns):
                     if isinstance(out, FinalOut):
@@ -84,7 +86,13 @@ class Frontend:
             except RedisError as exc:
                 raise Unavailable(f"queue store unavailable ({type(exc).__name__}); retry") from exc
 
-    async def _admit(self, tenant: Tenant, req: ValidRequest, deadline_unix_ns: int) -> Reservation:
+    async def _admit_and_claim(self, tenant: Tenant, req: ValidRequest, entry: queue.QueueEntry,
+                               deadline_unix_ns: int) -> Reservation:
+        """Admission, the queue bound and the request id's claim in one round trip.
+
+        One result stream per request id: claiming the id keeps two requests (or two tenants)
+        from ever sharing a stream. Whatever one of the three refuses, the others are undone.
+        """
         if deadline_unix_ns and time.time_ns() >= deadline_unix_ns:
             raise DeadlineExceeded("deadline passed before the request was queued")
         plan = tenant.plan
@@ -96,15 +104,51 @@ class Frontend:
                                       f"exceeds your plan's {what} of {limit}; lower max_tokens")
         period, period_end_s = plan.period(time.time())
         lease_s = (deadline_unix_ns - time.time_ns()) / 1e9 if deadline_unix_ns else _DEFAULT_LEASE_S
-        code, retry_s = await self.admission.admit(
-            tenant_id=tenant.tenant_id, request_id=req.request_id,
+        # Each admission holds its own reservation: a client re-sending a request id that is
+        # still running gets ALREADY_EXISTS, and releasing its reservation must not release the
+        # running request's (they would share a concurrency slot and a settle marker).
+        reservation_id = f"{req.request_id}#{secrets.token_hex(4)}"
+        check = self.admission.admit_command(
+            tenant_id=tenant.tenant_id, request_id=reservation_id,
             rpm=plan.requests_per_minute, tpm=plan.tokens_per_minute,
             max_concurrent=plan.max_concurrent, budget=plan.token_budget, period=period,
             period_end_s=period_end_s, tokens=need, lease_s=max(1.0, lease_s))
-        if code:
-            raise ResourceExhausted(f"tenant {tenant.tenant_id}: {REFUSALS[code]} reached", retry_s)
+        claim_key = f"{queue.PREFIX}:req:{{{entry.request_id}}}"
+        for retry in (False, True):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.evalsha(*check)
+                pipe.xlen(queue.queue_stream(entry.request_class))
+                pipe.set(claim_key, entry.tenant_id, nx=True, ex=queue.RESULT_TTL_S)
+                admitted, length, claimed = await pipe.execute(raise_on_error=False)
+            for reply in (length, claimed):
+                if isinstance(reply, Exception):
+                    raise reply
+            if isinstance(admitted, NoScriptError) and not retry:
+                # Redis restarted and lost its scripts: load them and ask again.
+                if claimed:
+                    await self.redis.delete(claim_key)
+                await self.admission.load_scripts()
+                continue
+            break
+        if isinstance(admitted, Exception):
+            if claimed:
+                await self.redis.delete(claim_key)
+            raise admitted
+        code, retry_s = Admission.outcome(admitted)
         budget_key = admission_keys(tenant.tenant_id, period)[3] if plan.token_budget else ""
-        return Reservation(tenant.tenant_id, req.request_id, need, budget_key)
+        reservation = Reservation(tenant.tenant_id, reservation_id, need, budget_key)
+        if not claimed:
+            if not code:
+                await self.admission.settle(reservation, 0)
+            raise AlreadyExists(f"request_id {entry.request_id!r} was already used")
+        if code or length >= self.config.max_queue_len:
+            # Refused: the id may be used again, and an admitted reservation is released.
+            await self.redis.delete(claim_key)
+            if code:
+                raise ResourceExhausted(f"tenant {tenant.tenant_id}: {REFUSALS[code]} reached", retry_s)
+            await self.admission.settle(reservation, 0)
+            raise ResourceExhausted(f"{entry.request_class} queue is full", retry_after_s=2.0)
+        return reservation
 
     def build_entry(self, tenant: Tenant, req: ValidRequest, request_class: str,
                deadline_unix_ns: int) -> queue.QueueEntry:
@@ -117,22 +161,6 @@ class Frontend:
             block_hashes=block_hashes(req.prompt_token_ids, self.config.block_size, salt),
             deadline_unix_ns=deadline_unix_ns, enqueued_unix_ns=time.time_ns(),
             traceparent=telemetry.inject_traceparent())
-
-    async def _enqueue(self, entry: queue.QueueEntry) -> None:
-        stream = queue.queue_stream(entry.request_class)
-        # One result stream per request id: claiming the id keeps two requests (or two
-        # tenants) from ever sharing a stream. Queue length and claim in one round trip.
-        claim_key = f"{queue.PREFIX}:req:{{{entry.request_id}}}"
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xlen(stream)
-            pipe.set(claim_key, entry.tenant_id, nx=True, ex=queue.RESULT_TTL_S)
-            length, claimed = await pipe.execute()
-        if not claimed:
-            raise AlreadyExists(f"request_id {entry.request_id!r} was already used")
-        if length >= self.config.max_queue_len:
-            await self.redis.delete(claim_key)   # refused: the id may be used again
-            raise ResourceExhausted(f"{entry.request_class} queue is full", retry_after_s=2.0)
-        await self.redis.xadd(stream, entry.encode())
 
     async def _relay(self, req: ValidRequest, request_class: str,
                      deadline_unix_ns: int) -> AsyncIterator[TokensOut | FinalOut]:

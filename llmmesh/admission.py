@@ -87,7 +87,7 @@ class Reservation:
     """What admission took, carried in the queue entry so whoever ends the request settles it."""
 
     tenant_id: str
-    request_id: str
+    request_id: str      # the reservation's own id (the gateway suffixes the request id)
     reserved_tokens: int
     budget_key: str  # empty when the tenant has no budget
 
@@ -111,8 +111,26 @@ class Admission:
                     max_concurrent: int, budget: int, period: str, period_end_s: float,
                     tokens: int, lease_s: float) -> tuple[int, float]:
         """(0, 0) when admitted, else (reason code, retry-after seconds)."""
-        code, wait_ms = await self._admit(keys=keys(tenant_id, period), args=[
-            rpm, tpm, max_concurrent, budget, tokens, request_id, lease_s, period_end_s])
+        return self.outcome(await self._admit(keys=keys(tenant_id, period), args=[
+            rpm, tpm, max_concurrent, budget, tokens, request_id, lease_s, period_end_s]))
+
+    def admit_command(self, *, tenant_id: str, request_id: str, rpm: int, tpm: int,
+                      max_concurrent: int, budget: int, period: str, period_end_s: float,
+                      tokens: int, lease_s: float) -> tuple:
+        """The same check as EVALSHA arguments, for a caller's pipeline (one round trip with its
+        other commands; redis-py's pipelined scripts would add a SCRIPT EXISTS round trip). A
+        NoScriptError reply (Redis restarted) wants load_scripts() and a retry. Parse the reply
+        with outcome()."""
+        k = keys(tenant_id, period)
+        return (self._admit.sha, len(k), *k, rpm, tpm, max_concurrent, budget, tokens, request_id,
+                lease_s, period_end_s)
+
+    async def load_scripts(self) -> None:
+        await self._redis.script_load(_ADMIT)
+
+    @staticmethod
+    def outcome(reply) -> tuple[int, float]:
+        code, wait_ms = reply
         return int(code), int(wait_ms) / 1000.0
 
     async def settle(self, r: Reservation, used_tokens: int) -> bool:

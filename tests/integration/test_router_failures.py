@@ -168,3 +168,45 @@ def test_result_stream_refuses_a_second_writer_of_an_index(redis_server):
     events = asyncio.run(run())
     assert [(e["kind"], e.get("ids")) for e in events] == [
         ("tokens", [1, 2]), ("tokens", [3]), ("final", None)]
+
+
+def test_duplicate_request_id_is_refused_without_touching_the_first_ones_reservation(tmp_path):
+    """A request id re-sent while the first request waits (no worker yet) gets ALREADY_EXISTS;
+    the budget still holds exactly the first request's reservation, and settling the first
+    later releases it fully. Redis's script cache is flushed in between, so admission also
+    goes through its reload path."""
+    from tests.e2e.meshkit import tenants_file
+    m = Mesh(var_dir=str(tmp_path), gateway_args=["--tenants", tenants_file(tmp_path / "t.toml", 10_000)])
+    try:
+        asyncio.run(m.up(num_workers=0, timeout_s=60))
+        stub, r = _stub(m), redis.Redis.from_url(m.redis_url, decode_responses=True)
+        req = chat("Hello?", 7)
+        req.request_id = "dup-1"
+        key = auth("llmmesh-test-capped")
+        first = futures.ThreadPoolExecutor(1).submit(
+            lambda: stub.Complete(gateway_pb2.CompleteRequest(request=req), metadata=key, timeout=4))
+        claim = f"{queue.PREFIX}:req:{{dup-1}}"
+        wait_until(lambda: r.exists(claim), 10, what="the first request to be queued")
+        budget = [k for k in r.keys(f"{queue.PREFIX}:budget:*")]
+        assert len(budget) == 1
+        reserved = int(r.hget(budget[0], "reserved"))
+        assert reserved > 7
+        r.script_flush()
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Complete(gateway_pb2.CompleteRequest(request=req), metadata=key, timeout=10)
+        assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS and "dup-1" in info.value.details()
+        assert int(r.hget(budget[0], "reserved")) == reserved   # the second's was released
+        with pytest.raises(grpc.RpcError) as info:
+            first.result()
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # A worker appears: the router ends the expired entry and settles its reservation,
+        # which must release all of it (a shared settle marker used to make this a no-op).
+        worker = FailingWorker()
+        try:
+            worker.register(m.redis_url)
+            wait_until(lambda: _pending(m) == 0, 15, what="the expired entry to be acknowledged")
+        finally:
+            worker.server.stop(0)
+        assert int(r.hget(budget[0], "reserved")) == 0 and int(r.hget(budget[0], "used") or 0) == 0
+    finally:
+        m.down()
