@@ -54,6 +54,9 @@ class Held:
     request_class: str
     entry_id: str
     progress: RequestProgress
+    # Read fresh from the queue (">"): never delivered to any router, so its result stream is
+    # empty and reading it back can be skipped. False for entries taken over from a router.
+    fresh: bool = False
 
 
 class Dispatcher:
@@ -121,13 +124,13 @@ class Dispatcher:
         for stream, entries in reply or ():
             cls = stream.rsplit(":", 1)[1]
             for entry_id, fields in entries:
-                self._hold(cls, entry_id, fields)
+                self._hold(cls, entry_id, fields, fresh=True)
 
-    def _hold(self, cls: str, entry_id: str, fields: dict) -> None:
+    def _hold(self, cls: str, entry_id: str, fields: dict, fresh: bool = False) -> None:
         if entry_id in self.held:
             return
         entry = queue.QueueEntry.decode(fields)
-        held = Held(cls, entry_id, RequestProgress(entry))
+        held = Held(cls, entry_id, RequestProgress(entry), fresh)
         self.held[entry_id] = held
         cost = len(entry.prompt_token_ids) + int(entry.sampling.get("max_tokens", 0))
         self.sched.push(cls, entry.tenant_id, held, cost)
@@ -145,7 +148,8 @@ class Dispatcher:
         self.running[rid] = held
         if held.request_class == "batch":
             self._batch_inflight += 1
-        task = asyncio.create_task(self._serve(held.request_class, held.entry_id, held.progress))
+        task = asyncio.create_task(self._serve(held.request_class, held.entry_id, held.progress,
+                                               held.fresh))
 
         def done(_):
             self.running.pop(rid, None)
@@ -155,9 +159,17 @@ class Dispatcher:
             self._slot_freed.set()
         task.add_done_callback(done)
 
-    async def _serve(self, cls: str, entry_id: str, p: RequestProgress) -> None:
+    async def _serve(self, cls: str, entry_id: str, p: RequestProgress, fresh: bool = False) -> None:
         e = p.entry
-        ended, cancelled = await self._recover_progress(p)
+        early_check = None
+        if fresh and cls == "interactive":
+            # Nothing to recover, and the client-went-away check need not hold up the first
+            # token: it runs beside the worker call (one Redis round trip off the TTFT path).
+            # Batch keeps checking first: a cancelled job's queued requests must not start.
+            ended, cancelled = None, False
+            early_check = asyncio.create_task(self._check_cancelled_early(p))
+        else:
+            ended, cancelled = await self._recover_progress(p)
         if ended is not None:  # a router died between ending the request and acknowledging it
             if ended["kind"] == "final":
                 outcome = {"finish_reason": ended["finish_reason"], "usage": ended["usage"]}
@@ -170,6 +182,9 @@ class Dispatcher:
         with self.tracer.start_as_current_span("router dispatch", context=ctx) as span:
             try:
                 reason, device = await self._attempts(p, cancelled)
+                if early_check is not None and await early_check and not p.delivered:
+                    # Cancelled before the router took it: ends as before, unbilled.
+                    raise RequestFailed("CANCELLED", "request cancelled before it started")
                 await self.redis.xadd(queue.result_stream(e.request_id),
                                       queue.final_event(reason, p.usage()))
                 record_usage(span, p, reason, device)
@@ -186,6 +201,9 @@ class Dispatcher:
                     record_usage(span, p, "error", "")
                     billed = True
                 outcome = {"error_code": exc.code, "error_message": exc.message}
+            finally:
+                if early_check is not None and not early_check.done():
+                    early_check.cancel()   # the request ended first (it aborts nothing now)
             await self._finish(cls, entry_id, p, billed, outcome)
 
     async def _finish(self, cls: str, entry_id: str, p: RequestProgress, billed: bool,
@@ -225,6 +243,18 @@ class Dispatcher:
             worker.healthy = False  # until its lease is renewed and a probe succeeds
         await self.redis.xadd(queue.DEAD_LETTER_STREAM, p.entry.encode())
         raise RequestFailed("UNAVAILABLE", f"request failed on {MAX_ATTEMPTS} workers; retry later")
+
+    async def _check_cancelled_early(self, p: RequestProgress) -> bool:
+        """Whether the client cancelled before this router read the entry (its pubsub message
+        came before the request was running here); if so, abort it on its worker."""
+        try:
+            cancelled = bool(await self.redis.exists(queue.cancel_key(p.entry.request_id)))
+        except RedisError as exc:
+            log.warning("request %s: cancel check failed (%s)", p.entry.request_id, exc)
+            return False
+        if cancelled:
+            await self._abort_on_worker(p)
+        return cancelled
 
     async def _recover_progress(self, p: RequestProgress) -> tuple[dict | None, bool]:
         """For an entry taken over from a dead router: continue after the tokens its result

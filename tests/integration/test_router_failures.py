@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from concurrent import futures
 
@@ -210,3 +211,63 @@ def test_duplicate_request_id_is_refused_without_touching_the_first_ones_reserva
         assert int(r.hget(budget[0], "reserved")) == 0 and int(r.hget(budget[0], "used") or 0) == 0
     finally:
         m.down()
+
+
+class AbortableWorker(FailingWorker):
+    """Waits 0.5 s before its one token unless aborted; an aborted call ends with a cancelled
+    final, as a real worker's does."""
+
+    def __init__(self):
+        super().__init__()
+        self.aborts: dict[str, threading.Event] = {}
+        self.aborted: list[str] = []
+
+    def Generate(self, request, context):
+        self.calls += 1
+        abort = self.aborts.setdefault(request.request_id, threading.Event())
+        if abort.wait(0.5):
+            yield worker_pb2.WorkerGenerateResponse(final=worker_pb2.WorkerFinal(
+                finish_reason=common_pb2.FINISH_REASON_CANCELLED,
+                usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids))))
+            return
+        yield worker_pb2.WorkerGenerateResponse(tokens=worker_pb2.WorkerTokens(
+            index=request.start_index, token_ids=[14]))
+        yield worker_pb2.WorkerGenerateResponse(final=worker_pb2.WorkerFinal(
+            finish_reason=common_pb2.FINISH_REASON_STOP,
+            usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=1)))
+
+    def Abort(self, request, context):
+        abort = self.aborts.get(request.request_id)
+        if abort is None:          # not started here yet: the router asks again
+            return worker_pb2.AbortResponse(aborted=False)
+        abort.set()
+        self.aborted.append(request.request_id)
+        return worker_pb2.AbortResponse(aborted=True)
+
+
+def test_interactive_request_cancelled_while_queued_is_aborted_unbilled(mesh):
+    """The client goes away while its request waits for a worker. When one appears, the router
+    (which checks the cancel key beside the worker call, not before it) aborts the work and
+    ends the request as CANCELLED with nothing delivered, so nothing is billed; the next
+    request on that worker completes."""
+    stub = _stub(mesh)
+    r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
+    call = stub.Generate(chat("Hello?", 8), metadata=auth(DEMO_KEYS["acme"]), timeout=60)
+    wait_until(lambda: r.keys(f"{queue.PREFIX}:req:*"), 10, what="the request to be queued")
+    (claim,) = r.keys(f"{queue.PREFIX}:req:*")
+    request_id = claim.split("{", 1)[1].rstrip("}")
+    call.cancel()                                    # the gateway records and publishes it
+    wait_until(lambda: r.exists(queue.cancel_key(request_id)), 10, what="the cancel to be recorded")
+    worker = AbortableWorker()
+    try:
+        worker.register(mesh.redis_url)
+        wait_until(lambda: _pending(mesh) == 0, 15, what="the cancelled entry to be acknowledged")
+        assert worker.calls == 1 and worker.aborted == [request_id]
+        events = [queue.decode_event(f) for _, f in r.xrange(queue.result_stream(request_id))]
+        assert [(e["kind"], e.get("code")) for e in events] == [("error", "CANCELLED")]
+        done = stub.Complete(gateway_pb2.CompleteRequest(request=chat("Hi?", 4)),
+                             metadata=auth(DEMO_KEYS["acme"]), timeout=30)
+        assert list(done.token_ids) == [14] and done.final.usage.completion_tokens == 1
+        assert worker.calls == 2 and len(worker.aborted) == 1
+    finally:
+        worker.server.stop(0)
