@@ -19,9 +19,10 @@ _PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "m
 
 def default_quantization(device: torch.device | str, dtype: torch.dtype) -> str:
     kind = torch.device(device).type
-    # int8, not int4, by default: int4 is faster here but changed the chat answer to "What is
-    # the capital of France?" from Paris to a list of Paris landmarks in the end-to-end test;
-    # int8 keeps the reference answer (and perplexity within 1%).
+    # int8, not int4, by default: int4 is faster at every batch size (bench/results/engine.md)
+    # and its perplexity on the shipped text is the same, but its greedy chat answers are worse:
+    # "What is the capital of France?" -> "L'Étoile, la Marseillaise, ..." and the wrong author
+    # for Romeo and Juliet (re-checked 2026-12-01); int8 answers both correctly.
     if kind == "cpu" and dtype == torch.float32 and cpu_kernels() is not None:
         return "int8"
     if kind == "cuda":
