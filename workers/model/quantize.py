@@ -22,7 +22,9 @@ def default_quantization(device: torch.device | str, dtype: torch.dtype) -> str:
     # int8, not int4, by default: int4 is faster at every batch size (bench/results/engine.md)
     # and its perplexity on the shipped text is the same, but its greedy chat answers are worse:
     # "What is the capital of France?" -> "L'Étoile, la Marseillaise, ..." and the wrong author
-    # for Romeo and Juliet (re-checked 2026-12-01); int8 answers both correctly.
+    # for Romeo and Juliet (re-checked 2026-12-01); int8 and the fp32 reference answer both
+    # correctly. llama.cpp's llama-server on the same Q4_1 GGUF gives the same "L'Étoile" answer
+    # word for word: int4 is faithful to the file; int8 activations on 4-bit groups tip a near-tie.
     if kind == "cpu" and dtype == torch.float32 and cpu_kernels() is not None:
         return "int8"
     if kind == "cuda":
