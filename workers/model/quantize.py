@@ -24,7 +24,9 @@ def default_quantization(device: torch.device | str, dtype: torch.dtype) -> str:
     # "What is the capital of France?" -> "L'Étoile, la Marseillaise, ..." and the wrong author
     # for Romeo and Juliet (re-checked 2026-12-01); int8 and the fp32 reference answer both
     # correctly. llama.cpp's llama-server on the same Q4_1 GGUF gives the same "L'Étoile" answer
-    # word for word: int4 is faithful to the file; int8 activations on 4-bit groups tip a near-tie.
+    # word for word, and the same int4 weights with fp32 activations (LLMMESH_NO_KERNELS=1)
+    # answer "Paris": it is the kernels' int8-quantized activations (llama.cpp's Q8_1 alike) on
+    # 4-bit weights that tip a near-tie. An int4 kernel with fp32 activations would keep both.
     if kind == "cpu" and dtype == torch.float32 and cpu_kernels() is not None:
         return "int8"
     if kind == "cuda":
