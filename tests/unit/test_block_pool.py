@@ -103,3 +103,15 @@ def test_free_queue_unlinks_head_middle_and_tail_in_place():
     assert [b.block_id for b in queue] == [1, 3] and len(queue) == 2
     queue.append(blocks[0])
     assert [b.block_id for b in queue] == [1, 3, 0]
+
+
+def test_reset_prefix_cache_forgets_idle_cached_blocks_and_keeps_held_ones():
+    pool = BlockPool(4)
+    held, idle = pool.get_new_blocks(2)
+    pool.cache_full_block(held, 1, 0, (1,))
+    pool.cache_full_block(idle, 2, 1, (2,))
+    pool.free_blocks([idle])
+    assert pool.reset_prefix_cache() == 1
+    assert pool.get_cached_block(2) is None and idle.block_hash is None
+    assert pool.get_cached_block(1) is held                  # a request still holds it
+    assert free_ids(pool) == [2, 3, 1] and pool.recent_hashes(8) == [1]

@@ -274,6 +274,7 @@ def test_calibration_teaches_the_step_model_and_leaves_nothing_behind(model, ref
     assert not core.has_work() and not core.scheduler.requests
     assert pool.num_free_blocks == pool.num_blocks            # nothing in use (cached is free)
     assert core.load().prefix_cache_hit_rate == 0.0
+    assert core.load().cached_block_hashes == () and not pool.cached   # none to publish
     # Its cache salt is its own: a user's prompt never hits calibration blocks.
     tokens, finals = run_core(core, {"a": [5, 6, 7, 8, 9, 10, 11, 12, 13]})
     assert finals["a"].usage.cached_prompt_tokens == 0

@@ -119,6 +119,13 @@ class BlockPool:
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
         self.cached[block_hash] = block
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block no request holds (they stay free); returns how many."""
+        idle = [block for block in self.cached.values() if block.ref_cnt == 0]
+        for block in idle:
+            self._evict(block)
+        return len(idle)
+
     def recent_hashes(self, limit: int) -> list[int]:
         hashes = []
         for block_hash in reversed(self.cached):

@@ -82,7 +82,8 @@ class EngineCore:
         """Warm-up run that also teaches the scheduler's step-time model what a token and a
         key of context cost (workers/engine/step_cost.py): a short prefill and single-sequence
         decodes, eight sequences decoding together, and a long prompt decoded at its full
-        context. Seconds on a CPU; leaves no request, no block in use and no statistic behind.
+        context. Seconds on a CPU; leaves no request, no block in use or cached and no
+        statistic behind.
         """
         if self.has_work():
             raise RuntimeError("calibrate runs before any request is admitted")
@@ -107,6 +108,9 @@ class EngineCore:
         finally:
             model.calibrating = False
             self.scheduler.reset_statistics()
+            # Its blocks would only show up in the routers' affinity index (published from
+            # the newest cached hashes): nobody's prompt can hit the "calibrate" salt.
+            self.scheduler.kv.pool.reset_prefix_cache()
 
     def fail_running(self, error: str) -> list[RequestOutput]:
         """End every running request with an error (after a failed step, their KV is suspect)."""
