@@ -229,6 +229,8 @@ class Dispatcher:
             if p.cancelled:
                 raise RequestFailed("CANCELLED", "request cancelled by the client")
             worker = await self._pick(e)
+            if p.cancelled:   # the client went away while the request waited for a worker
+                raise RequestFailed("CANCELLED", "request cancelled by the client")
             p.worker_ids.append(worker.worker_id)
             worker.num_inflight += 1
             try:
