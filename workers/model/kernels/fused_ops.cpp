@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -24,6 +25,20 @@ void check_rows(const at::Tensor& t, const char* name) {
 }
 
 }  // namespace
+
+// s[j] = exp(s[j] - mx) for j < n, in place (mx: the row's max); returns their sum.
+static float exp_shifted(float* s, int64_t n, float mx) {
+  __m256 sum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = vm::exp(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(mx)));
+    _mm256_storeu_ps(s + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float total = vm::hsum(sum);
+  for (; j < n; ++j) total += (s[j] = std::exp(s[j] - mx));
+  return total;
+}
 
 bool attention_split_k() { return g_split_k; }
 void set_attention_split_k(bool on) { g_split_k = on; }
@@ -116,18 +131,8 @@ static void attend_heads(const float* q, float* out, int64_t h0, int64_t h1, int
   }
   for (int64_t h = 0; h < heads; ++h) {
     float* s = p.data() + h * seq_len;
-    const float mx = *std::max_element(s, s + seq_len);
-    __m256 sum = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= seq_len; j += 8) {
-      const __m256 e = vm::exp(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(mx)));
-      _mm256_storeu_ps(s + j, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    float total = vm::hsum(sum);
-    for (; j < seq_len; ++j) total += (s[j] = std::exp(s[j] - mx));
-    const float inv = 1.0f / total;
-    for (j = 0; j < seq_len; ++j) s[j] *= inv;
+    const float inv = 1.0f / exp_shifted(s, seq_len, *std::max_element(s, s + seq_len));
+    for (int64_t j = 0; j < seq_len; ++j) s[j] *= inv;
     std::fill(out + (h0 + h) * d, out + (h0 + h + 1) * d, 0.0f);
   }
   for (int64_t start = 0; start < seq_len; start += block_size) {
@@ -194,14 +199,7 @@ static void attend_heads_d64(const float* q, float* out, int64_t h0, int64_t h1,
     }
     for (; j < seq_len; ++j) p[j] = vm::hsum(dot8(row(keys, j))) * scale;
     const float mx = *std::max_element(p.begin(), p.begin() + seq_len);
-    __m256 sum = _mm256_setzero_ps();
-    for (j = 0; j + 8 <= seq_len; j += 8) {
-      const __m256 e = vm::exp(_mm256_sub_ps(_mm256_loadu_ps(p.data() + j), _mm256_set1_ps(mx)));
-      _mm256_storeu_ps(p.data() + j, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    float total = vm::hsum(sum);
-    for (; j < seq_len; ++j) total += (p[j] = std::exp(p[j] - mx));
+    const float total = exp_shifted(p.data(), seq_len, mx);
     __m256 acc[8];
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
     for (j = 0; j < seq_len; ++j) {
@@ -314,19 +312,8 @@ static void attend_tile(const float* const* q, float* const* out, const int64_t*
   for (int v = 0; v < kTile; ++v) {   // softmax over the vector's own keys; zero after them
     float* row = sc + v * stride;
     const int64_t n = lens[v];
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, row[j]);
-    __m256 sum = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-      const __m256 e = vm::exp(_mm256_sub_ps(_mm256_loadu_ps(row + j), _mm256_set1_ps(mx)));
-      _mm256_storeu_ps(row + j, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    float total = vm::hsum(sum);
-    for (; j < n; ++j) total += (row[j] = std::exp(row[j] - mx));
-    for (j = n; j < lmax; ++j) row[j] = 0.0f;
-    inv[v] = 1.0f / total;
+    inv[v] = 1.0f / exp_shifted(row, n, *std::max_element(row, row + n));
+    std::fill(row + n, row + lmax, 0.0f);
   }
   for (int half = 0; half < 2; ++half) {       // P V: 3 vectors x 32 dims in 12 accumulators
     for (int t = 0; t < kTile; t += 3) {
@@ -361,9 +348,8 @@ static void attend_tile(const float* const* q, float* const* out, const int64_t*
 // grow by one); returns them and marks their rows in `in_span`.
 static std::vector<PromptSpan> find_spans(const int64_t* row_idx, const int64_t* table_idx,
                                           const int64_t* lens, int64_t count,
-                                          std::vector<char>& in_span, int64_t& packed_total) {
+                                          std::vector<char>& in_span) {
   std::vector<PromptSpan> spans;
-  packed_total = 0;
   in_span.assign(count, 0);
   for (int64_t i = 0; i < count;) {
     int64_t e = i + 1;
@@ -371,7 +357,7 @@ static std::vector<PromptSpan> find_spans(const int64_t* row_idx, const int64_t*
            row_idx[e] == row_idx[e - 1] + 1)
       ++e;
     if (e - i >= kSpanMinRows) {
-      spans.push_back(PromptSpan{i, e - i, lens[e - 1], packed_total});
+      spans.push_back(PromptSpan{i, e - i, lens[e - 1], 0});
       std::fill(in_span.begin() + i, in_span.begin() + e, 1);
     }
     i = e;
@@ -381,13 +367,12 @@ static std::vector<PromptSpan> find_spans(const int64_t* row_idx, const int64_t*
 
 // Every span's rows, all heads: pack per (span, KV head), then tiles of kTile query vectors
 // ordered (row, head within the KV group), heaviest tiles first.
-static void attend_spans(const std::vector<PromptSpan>& spans_in, const float* qbase,
+static void attend_spans(std::vector<PromptSpan> spans, const float* qbase,
                          int64_t q_stride, float* obase, int64_t o_stride, const int64_t* row_idx,
                          const int64_t* table_idx, const int64_t* lens, const int64_t* tables,
                          int64_t table_stride, const float* keys, const float* values,
                          int64_t block_size, int64_t token_stride, int64_t num_heads,
                          int64_t num_kv_heads, float scale) {
-  std::vector<PromptSpan> spans = spans_in;
   const int64_t group = num_heads / num_kv_heads;
   int64_t total = 0;
   for (auto& sp : spans) {
@@ -465,12 +450,11 @@ void paged_attention(const at::Tensor& qkv, const at::Tensor& rows, const at::Te
   // Prompt chunks of kSpanMinRows+ rows go through the tiled path; the other rows (decodes,
   // short chunks) through the per-row one below.
   std::vector<char> in_span;
-  int64_t packed_total = 0;
   std::vector<PromptSpan> spans;
   if (d == 64 && g_prompt_tiles && count >= kSpanMinRows)
-    spans = find_spans(row_idx, table_idx, lens, count, in_span, packed_total);
+    spans = find_spans(row_idx, table_idx, lens, count, in_span);
   if (!spans.empty()) {
-    attend_spans(spans, qbase, qkv.stride(0), obase, out.stride(0), row_idx, table_idx, lens,
+    attend_spans(std::move(spans), qbase, qkv.stride(0), obase, out.stride(0), row_idx, table_idx, lens,
                  tables, block_tables.stride(0), keys, values, block_size, token_stride,
                  num_heads, num_kv_heads, static_cast<float>(scale));
     std::vector<int64_t> rest;
