@@ -144,51 +144,14 @@ def test_packed_and_dequantized_paths_agree(mode):
     assert packed.weight_bytes() < w.numel() * (2 if mode == "int8" else 1)
 
 
-def test_fused_attention_matches_torch_paged_attention_on_a_mixed_batch():
-    """Decode tokens, a prompt chunk with earlier context and a fresh prompt in one batch:
-    the C++ op (used on CPU) and the torch path (used elsewhere) agree."""
-    from workers.model.attention import (AttentionMetadata, fused_paged_attention,
-                                         paged_attention, prepare_attention, write_kv)
-    gen = torch.Generator().manual_seed(5)
-    heads, kv_heads, dim, block = 6, 2, 16, 4
-    cache = torch.randn(2, 40, block, kv_heads, dim, generator=gen)
-    # (context before this step, new tokens): two decodes, a chunk after 9 tokens, a fresh prompt
-    shapes = [(6, 1), (13, 1), (9, 5), (0, 7)]
-    tables, slots, start, starts = [], [], 0, [0]
-    free = iter(torch.randperm(40, generator=gen).tolist())
-    for context, new in shapes:
-        table = [next(free) for _ in range(-(-(context + new) // block))]
-        tables.append(table + [0] * (4 - len(table)))
-        slots += [table[p // block] * block + p % block for p in range(context, context + new)]
-        starts.append(starts[-1] + new)
-    total = starts[-1]
-    meta = AttentionMetadata(torch.tensor(slots), torch.tensor(starts),
-                             torch.tensor([c + n for c, n in shapes]), torch.tensor(tables),
-                             max_seq_len=14, max_query_len=7)
-    plan = prepare_attention(meta, block)
-    qkv = torch.randn(total, (heads + 2 * kv_heads) * dim, generator=gen)
-    q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
-    q = q.reshape(total, heads, dim)
-    k, v = k.reshape(total, kv_heads, dim), v.reshape(total, kv_heads, dim)
-    write_kv(cache, plan.slot_mapping, k, v)
-    expected = paged_attention(q, k, v, cache, plan).reshape(total, heads * dim)
-    out = fused_paged_attention(ext, qkv, cache, plan, heads, kv_heads)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 2), (2, 2)])
-@pytest.mark.parametrize("tiles", [True, False])
-def test_prompt_spans_tiled_attention_matches_torch(heads, kv_heads, tiles):
-    """Head size 64: prompt chunks of 8+ rows take the register-tiled span path (with and
-    without earlier context, row counts that leave partial tiles), beside decodes and a short
-    chunk that stay per row; both paths agree with the torch reference."""
-    from workers.model.attention import (AttentionMetadata, fused_paged_attention,
-                                         paged_attention, prepare_attention, write_kv)
-    gen = torch.Generator().manual_seed(11)
-    dim, block, num_blocks = 64, 16, 64
+def _mixed_batch(shapes, heads: int, kv_heads: int, dim: int, block: int, num_blocks: int,
+                 seed: int):
+    """A paged batch of (context before this step, new tokens) sequences with their new K/V
+    written to a random cache: (qkv, cache, plan, the torch path's attention output)."""
+    from workers.model.attention import (AttentionMetadata, paged_attention, prepare_attention,
+                                         write_kv)
+    gen = torch.Generator().manual_seed(seed)
     cache = torch.randn(2, num_blocks, block, kv_heads, dim, generator=gen)
-    # (context before this step, new tokens)
-    shapes = [(30, 1), (37, 20), (0, 45), (12, 5), (0, 8), (100, 1), (3, 130)]
     width = max(-(-(c + n) // block) for c, n in shapes)
     tables, slots, starts = [], [], [0]
     free = iter(torch.randperm(num_blocks, generator=gen).tolist())
@@ -209,6 +172,31 @@ def test_prompt_spans_tiled_attention_matches_torch(heads, kv_heads, tiles):
     k, v = k.reshape(total, kv_heads, dim), v.reshape(total, kv_heads, dim)
     write_kv(cache, plan.slot_mapping, k, v)
     expected = paged_attention(q, k, v, cache, plan).reshape(total, heads * dim)
+    return qkv, cache, plan, expected
+
+
+def test_fused_attention_matches_torch_paged_attention_on_a_mixed_batch():
+    """Decode tokens, a prompt chunk with earlier context and a fresh prompt in one batch:
+    the C++ op (used on CPU) and the torch path (used elsewhere) agree."""
+    from workers.model.attention import fused_paged_attention
+    heads, kv_heads = 6, 2
+    # (context before this step, new tokens): two decodes, a chunk after 9 tokens, a fresh prompt
+    qkv, cache, plan, expected = _mixed_batch([(6, 1), (13, 1), (9, 5), (0, 7)], heads, kv_heads,
+                                              dim=16, block=4, num_blocks=40, seed=5)
+    out = fused_paged_attention(ext, qkv, cache, plan, heads, kv_heads)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 2), (2, 2)])
+@pytest.mark.parametrize("tiles", [True, False])
+def test_prompt_spans_tiled_attention_matches_torch(heads, kv_heads, tiles):
+    """Head size 64: prompt chunks of 8+ rows take the register-tiled span path (with and
+    without earlier context, row counts that leave partial tiles), beside decodes and a short
+    chunk that stay per row; both paths agree with the torch reference."""
+    from workers.model.attention import fused_paged_attention
+    shapes = [(30, 1), (37, 20), (0, 45), (12, 5), (0, 8), (100, 1), (3, 130)]
+    qkv, cache, plan, expected = _mixed_batch(shapes, heads, kv_heads, dim=64, block=16,
+                                              num_blocks=64, seed=11)
     ext.set_tunable("attention_prompt_tiles", float(tiles))
     try:
         out = fused_paged_attention(ext, qkv, cache, plan, heads, kv_heads)
