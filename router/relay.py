@@ -125,22 +125,19 @@ async def run_attempt(p: RequestProgress, worker: WorkerHandle, redis: aioredis.
                     p.cached_prompt_tokens = min(u.cached_prompt_tokens, len(p.entry.prompt_token_ids))
                     p.queue_s = u.queue_seconds
                 return _FINISH.get(msg.final.finish_reason, "stop")
+        log.warning("request %s: worker %s ended the stream without a final", p.entry.request_id,
+                    worker.worker_id)
     except grpc.aio.AioRpcError as exc:
-        if exc.code() in _RETRYABLE:
-            log.warning("request %s: worker %s failed (%s); will retry", p.entry.request_id,
-                        worker.worker_id, exc.code().name)
-            await sync_delivered(p, redis)
-            return None
-        # The caller writes the error event first and then syncs, so that a token the worker
-        # appends meanwhile is either before the error event (and billed) or refused.
-        raise RequestFailed(exc.code().name, exc.details() or exc.code().name) from exc
+        if exc.code() not in _RETRYABLE:
+            # The caller writes the error event first and then syncs, so that a token the worker
+            # appends meanwhile is either before the error event (and billed) or refused.
+            raise RequestFailed(exc.code().name, exc.details() or exc.code().name) from exc
+        log.warning("request %s: worker %s failed (%s); will retry", p.entry.request_id,
+                    worker.worker_id, exc.code().name)
     except queue.IndexTaken:
         call.cancel()
         log.warning("request %s: its result stream moved past this attempt", p.entry.request_id)
-        await sync_delivered(p, redis)
-        return None
-    log.warning("request %s: worker %s ended the stream without a final", p.entry.request_id,
-                worker.worker_id)
+    # Broke off retryably: the next attempt resumes from what the stream holds.
     await sync_delivered(p, redis)
     return None
 
