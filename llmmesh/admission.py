@@ -111,8 +111,12 @@ class Admission:
                     max_concurrent: int, budget: int, period: str, period_end_s: float,
                     tokens: int, lease_s: float) -> tuple[int, float]:
         """(0, 0) when admitted, else (reason code, retry-after seconds)."""
-        return self.outcome(await self._admit(keys=keys(tenant_id, period), args=[
-            rpm, tpm, max_concurrent, budget, tokens, request_id, lease_s, period_end_s]))
+        _, num_keys, *rest = self.admit_command(
+            tenant_id=tenant_id, request_id=request_id, rpm=rpm, tpm=tpm,
+            max_concurrent=max_concurrent, budget=budget, period=period,
+            period_end_s=period_end_s, tokens=tokens, lease_s=lease_s)
+        # Through the registered script, which reloads it itself after a Redis restart.
+        return self.outcome(await self._admit(keys=rest[:num_keys], args=rest[num_keys:]))
 
     def admit_command(self, *, tenant_id: str, request_id: str, rpm: int, tpm: int,
                       max_concurrent: int, budget: int, period: str, period_end_s: float,
