@@ -176,6 +176,8 @@ class Frontend:
                         last_id = entry_id
                         event = queue.decode_event(fields)
                         if event["kind"] == "tokens":
+                            if not event["ids"]:
+                                continue   # a worker's empty last chunk (an end marker only)
                             next_index = event["index"] + len(event["ids"])
                             yield TokensOut(event["index"], event["ids"], detok.push(event["ids"]),
                                             event.get("logprobs", []))

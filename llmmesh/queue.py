@@ -75,10 +75,16 @@ class QueueEntry:
         return cls(**json.loads(raw))
 
 
-def tokens_event(index: int, token_ids: list[int], logprobs: list[float] | None = None) -> dict[str, str]:
+def tokens_event(index: int, token_ids: list[int], logprobs: list[float] | None = None,
+                 end: dict[str, Any] | None = None) -> dict[str, str]:
+    """A chunk of tokens starting at completion index `index`. `end` marks a worker's last chunk
+    (it may hold no tokens): {"finish_reason", "usage"} of the attempt, so a router that takes the
+    request over knows it ended even if the worker's final message never reached a router."""
     body: dict[str, Any] = {"kind": "tokens", "index": index, "ids": token_ids}
     if logprobs:
         body["logprobs"] = logprobs
+    if end:
+        body["end"] = end
     return {"d": json.dumps(body, separators=(",", ":"))}
 
 
@@ -99,10 +105,11 @@ def token_entry_id(index: int) -> str:
 
 
 async def append_tokens(redis, stream: str, index: int, token_ids: list[int],
-                        logprobs: list[float] | None = None) -> None:
+                        logprobs: list[float] | None = None, end: dict[str, Any] | None = None) -> None:
     """XADD one token event at its index's entry id; IndexTaken when that id is used up."""
     try:
-        await redis.xadd(stream, tokens_event(index, token_ids, logprobs), id=token_entry_id(index))
+        await redis.xadd(stream, tokens_event(index, token_ids, logprobs, end),
+                         id=token_entry_id(index))
     except ResponseError as exc:
         if "equal or smaller" not in str(exc):
             raise

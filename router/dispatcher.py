@@ -23,8 +23,8 @@ from llmmesh.v1 import worker_pb2
 from router.fairness import ClassPolicy, ClassScheduler
 from router.policy import Policy
 from router.registry import WorkerHandle, WorkerRegistry
-from router.relay import (MAX_ATTEMPTS, RequestFailed, RequestProgress, read_result_stream,
-                          record_usage, run_attempt, sync_delivered)
+from router.relay import (MAX_ATTEMPTS, RequestFailed, RequestProgress, apply_stream_state,
+                          read_result_stream, record_usage, run_attempt, sync_delivered)
 
 log = logging.getLogger("router.dispatcher")
 HELD_RECHECK_MS = 20
@@ -221,6 +221,8 @@ class Dispatcher:
 
     async def _attempts(self, p: RequestProgress, cancelled_early: bool) -> tuple[str, str]:
         e = p.entry
+        if p.end_reason is not None:   # it ended on a worker; only the final is missing
+            return p.end_reason, ""
         if e.deadline_unix_ns and time.time_ns() >= e.deadline_unix_ns:
             raise RequestFailed("DEADLINE_EXCEEDED", "deadline passed while the request was queued")
         if cancelled_early:
@@ -266,10 +268,15 @@ class Dispatcher:
             pipe.xrange(queue.result_stream(p.entry.request_id))
             pipe.exists(queue.cancel_key(p.entry.request_id))
             events, cancelled = await pipe.execute()
-        p.delivered, ended = read_result_stream(events)
+        delivered, ended, end = read_result_stream(events)
         if ended is not None:
+            p.delivered = delivered
             return ended, bool(cancelled)
-        if p.delivered:
+        apply_stream_state(p, delivered, end)
+        if p.end_reason is not None:
+            log.info("request %s had ended on its worker (%s) after %d tokens; finishing it",
+                     p.entry.request_id, p.end_reason, len(p.delivered))
+        elif p.delivered:
             log.info("request %s resumes after %d delivered tokens", p.entry.request_id,
                      len(p.delivered))
         return None, bool(cancelled)

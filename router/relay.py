@@ -51,6 +51,9 @@ class RequestProgress:
     attempts: int = 0
     worker_ids: list[str] = field(default_factory=list)
     cancelled: bool = False
+    # Set when the result stream shows the request already ended on a worker (its last chunk
+    # carries an end marker) or holds all max_tokens: nothing is left to run, only to finish.
+    end_reason: str | None = None
 
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.entry.prompt_token_ids),
@@ -60,21 +63,41 @@ class RequestProgress:
                 "queue_s": self.queue_s}
 
 
-def read_result_stream(events) -> tuple[list[int], dict | None]:
-    """The tokens a result stream holds, in index order, and its final or error event if any."""
+def read_result_stream(events) -> tuple[list[int], dict | None, dict | None]:
+    """The tokens a result stream holds, in index order; its final or error event if any; and
+    the end marker of a worker's last chunk if any (queue.tokens_event)."""
     delivered: list[int] = []
+    end = None
     for _, fields in events:
         event = queue.decode_event(fields)
         if event["kind"] in ("final", "error"):
-            return delivered, event
+            return delivered, event, end
         if event["index"] == len(delivered):
             delivered.extend(event["ids"])
-    return delivered, None
+            end = event.get("end")
+    return delivered, None, end
+
+
+def apply_stream_state(p: RequestProgress, delivered: list[int], end: dict | None) -> None:
+    """Take what the result stream says: the delivered tokens and, when the request in fact
+    ended on a worker (whose final message no router received), how it ended."""
+    p.delivered = delivered
+    if end is not None:
+        p.end_reason = end["finish_reason"]
+        u = end.get("usage", {})
+        p.prefill_device_s += u.get("prefill_device_s", 0.0)
+        p.decode_device_s += u.get("decode_device_s", 0.0)
+        if not p.cached_prompt_tokens:
+            p.cached_prompt_tokens = min(u.get("cached_prompt_tokens", 0),
+                                         len(p.entry.prompt_token_ids))
+    elif len(delivered) >= p.entry.sampling["max_tokens"]:
+        p.end_reason = "length"
 
 
 async def sync_delivered(p: RequestProgress, redis: aioredis.Redis) -> None:
     """After an attempt broke off: what its worker appended to the result stream itself."""
-    p.delivered, _ = read_result_stream(await redis.xrange(queue.result_stream(p.entry.request_id)))
+    delivered, _, end = read_result_stream(await redis.xrange(queue.result_stream(p.entry.request_id)))
+    apply_stream_state(p, delivered, end)
 
 
 def worker_request(p: RequestProgress) -> worker_pb2.WorkerGenerateRequest:
@@ -137,9 +160,10 @@ async def run_attempt(p: RequestProgress, worker: WorkerHandle, redis: aioredis.
     except queue.IndexTaken:
         call.cancel()
         log.warning("request %s: its result stream moved past this attempt", p.entry.request_id)
-    # Broke off retryably: the next attempt resumes from what the stream holds.
+    # Broke off retryably: the next attempt resumes from what the stream holds, unless that
+    # shows the request ended (the worker wrote its last chunk, then its final was lost).
     await sync_delivered(p, redis)
-    return None
+    return p.end_reason
 
 
 def record_usage(span: trace.Span, p: RequestProgress, finish_reason: str, device_type: str) -> None:

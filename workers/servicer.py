@@ -22,6 +22,15 @@ BATCH_CHUNK_TOKENS = 16
 BATCH_CHUNK_S = 0.25
 _FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
            "abort": common_pb2.FINISH_REASON_CANCELLED}
+_END_REASON = {"stop": "stop", "length": "length", "abort": "cancelled"}
+
+
+def _end_marker(reason: str, usage) -> dict:
+    """The `end` of a worker's last result-stream chunk: what the router's final would say."""
+    return {"finish_reason": _END_REASON.get(reason, "stop"),
+            "usage": {"cached_prompt_tokens": usage.cached_prompt_tokens,
+                      "prefill_device_s": usage.prefill_device_s,
+                      "decode_device_s": usage.decode_device_s, "queue_s": usage.queue_s}}
 
 
 class StopStringMatcher:
@@ -112,7 +121,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     # An engine failure, not the request's fault: the router retries elsewhere
                     # (from the tokens it already relayed; a held chunk is computed again).
                     raise Internal(f"engine error on worker {self.worker_id}: {out.error}")
-                if ids and (priority == INTERACTIVE or out.finished or matcher.matched
+                if out.finished:
+                    reason = "stop" if matcher.matched else out.finish_reason
+                    if stream:
+                        # The last chunk (tokens or not) says the request ended here, so a
+                        # router that takes it over does not run it on (see tokens_event).
+                        await self._append(stream, index, ids, logprobs,
+                                           end=_end_marker(reason, out.usage))
+                        written += ids
+                    elif ids:
+                        yield worker_pb2.WorkerGenerateResponse(tokens=worker_pb2.WorkerTokens(
+                            index=index, token_ids=ids, logprobs=logprobs))
+                    final = self._final(reason, out.usage, span)
+                    final.final.token_ids.extend(written)
+                    yield final
+                    return
+                if ids and (priority == INTERACTIVE or matcher.matched
                             or len(ids) >= BATCH_CHUNK_TOKENS
                             or time.monotonic() - oldest >= BATCH_CHUNK_S):
                     if stream:
@@ -123,18 +147,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                             index=index, token_ids=ids, logprobs=logprobs))
                     index += len(ids)
                     ids, logprobs = [], []
-                if out.finished:
-                    reason = "stop" if matcher.matched else out.finish_reason
-                    final = self._final(reason, out.usage, span)
-                    final.final.token_ids.extend(written)
-                    yield final
-                    return
         finally:
             await outputs.aclose()
 
-    async def _append(self, stream: str, index: int, ids: list[int], logprobs: list[float]) -> None:
+    async def _append(self, stream: str, index: int, ids: list[int], logprobs: list[float],
+                      end: dict | None = None) -> None:
         try:
-            await queue.append_tokens(self.results, stream, index, ids, logprobs)
+            await queue.append_tokens(self.results, stream, index, ids, logprobs, end)
         except queue.IndexTaken as exc:
             # Another attempt owns this request now: stop (the engine aborts it on close).
             raise Aborted(f"worker {self.worker_id}: {exc}") from exc

@@ -1,7 +1,8 @@
 """Router failure paths with real redis, costd, router and gateway processes and in-test
 WorkerServices that fail on purpose (no model needed): dead-lettering after 3 failed attempts,
 an expired deadline that never reaches a worker, a worker that dies after appending tokens to
-the result stream itself, and the result stream refusing a second writer of an index."""
+the result stream itself (mid-request, and after its marked last chunk), an entry taken over
+after its request had ended, and the result stream refusing a second writer of an index."""
 from __future__ import annotations
 
 import asyncio
@@ -271,3 +272,69 @@ def test_interactive_request_cancelled_while_queued_is_aborted_unbilled(mesh):
         assert worker.calls == 2 and len(worker.aborted) == 1
     finally:
         worker.server.stop(0)
+
+
+class EndingWorker(FailingWorker):
+    """Writes the whole completion to the result stream itself, its last chunk marked as the
+    end (as real workers do), then dies before its final message reaches the router."""
+
+    def Generate(self, request, context):
+        self.calls += 1
+        r = redis.Redis.from_url(self.redis_url)
+        r.xadd(request.result_stream, queue.tokens_event(0, [11, 12]), id=queue.token_entry_id(0))
+        end = {"finish_reason": "stop", "usage": {"cached_prompt_tokens": 0, "queue_s": 0.0,
+                                                  "prefill_device_s": 0.25, "decode_device_s": 0.5}}
+        r.xadd(request.result_stream, queue.tokens_event(2, [13], end=end), id=queue.token_entry_id(2))
+        context.abort(grpc.StatusCode.UNAVAILABLE, "died before its final")
+
+
+def test_worker_dying_after_its_last_chunk_is_not_run_again(mesh, failing):
+    """The end marker on the last chunk tells the router the request is done: it writes the
+    final (stop, 3 tokens, the worker's device time) and calls no second worker. Without the
+    marker (test above) the same break resumes on another worker."""
+    ending = EndingWorker()
+    ending.redis_url = mesh.redis_url
+    try:
+        ending.register(mesh.redis_url, "ending")
+        done = _stub(mesh).Complete(gateway_pb2.CompleteRequest(request=chat("Hello?", 8)),
+                                    metadata=auth(DEMO_KEYS["acme"]), timeout=60)
+        failing.register(mesh.redis_url)   # would fail the request if it were run again
+        time.sleep(1.0)
+    finally:
+        ending.server.stop(0)
+    assert list(done.token_ids) == [11, 12, 13]
+    assert done.final.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert done.final.usage.completion_tokens == 3
+    assert done.final.usage.decode_device_seconds == pytest.approx(0.5)
+    assert ending.calls == 1 and failing.calls == 0
+
+
+@pytest.mark.parametrize("end", [True, False])
+def test_taken_over_entry_that_had_ended_is_finished_not_rerun(mesh, failing, end):
+    """A router died after the request's worker was done but before it wrote the final: the
+    entry is pending again, and its result stream holds every token (with the worker's end
+    marker, or simply max_tokens of them). The router that picks it up writes the final and
+    acknowledges it; no worker is called (a call would fail: only `failing` is registered)."""
+    failing.register(mesh.redis_url)
+    r = redis.Redis.from_url(mesh.redis_url, decode_responses=True)
+    rid = f"ended-{end}"
+    entry = queue.QueueEntry(
+        request_id=rid, tenant_id="acme", request_class="batch", model="smollm2-135m-instruct",
+        prompt_token_ids=[1, 2, 3], cache_salt="scope:acme", block_hashes=[],
+        sampling={"max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop": [],
+                  "logprobs": False, "seed": None})
+    stream = queue.result_stream(rid)
+    r.xadd(stream, queue.tokens_event(0, [7, 8, 9]), id=queue.token_entry_id(0))
+    if end:   # ended by EOS after 3 of 4 tokens: the marker is all that says so
+        r.xadd(stream, queue.tokens_event(3, [], end={"finish_reason": "stop", "usage": {}}),
+               id=queue.token_entry_id(3))
+    else:     # all 4 tokens delivered, the last chunk's marker lost with an older worker
+        r.xadd(stream, queue.tokens_event(3, [10]), id=queue.token_entry_id(3))
+    r.xadd(queue.queue_stream("batch"), entry.encode())
+    wait_until(lambda: _pending(mesh) == 0 and r.xlen(stream) == 3, 15,
+               what="the entry to be finished")
+    final = queue.decode_event(r.xrange(stream)[-1][1])
+    assert final["kind"] == "final"
+    assert final["finish_reason"] == ("stop" if end else "length")
+    assert final["usage"]["completion_tokens"] == (3 if end else 4)
+    assert failing.calls == 0

@@ -67,6 +67,13 @@ def test_worker_appends_tokens_to_the_named_stream_and_lists_them_in_the_final(m
     assert [entry_id for entry_id, _ in events] == [queue.token_entry_id(i)
                                                     for i in range(len(written))]
     assert [queue.decode_event(f)["ids"][0] for _, f in events] == written
+    # Only the last chunk carries the end marker, which says what the final says.
+    ends = [queue.decode_event(f).get("end") for _, f in events]
+    assert ends[:-1] == [None] * (len(ends) - 1)
+    assert ends[-1]["finish_reason"] == "length"      # tiny random model, max_tokens=6
+    assert to_redis[0].final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert ends[-1]["usage"]["decode_device_s"] == pytest.approx(
+        to_redis[0].final.usage.decode_device_seconds)
     # No stream named: every token in the gRPC stream, nothing listed in the final.
     assert [m.WhichOneof("kind") for m in in_grpc] == ["tokens"] * len(written) + ["final"]
     assert [m.tokens.token_ids[0] for m in in_grpc[:-1]] == written   # same greedy output
