@@ -9,13 +9,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 
 from gateway.tenants import Tenant
 from gateway.textstream import TextStream
 from gateway.validation import ValidRequest
 from llmmesh import queue, telemetry
-from llmmesh.admission import REFUSALS, Admission, Reservation
+from llmmesh.admission import ALREADY_USED, QUEUE_FULL, REFUSALS, Admission, Reservation
 from llmmesh.admission import keys as admission_keys
 from llmmesh.errors import (AlreadyExists, DeadlineExceeded, InvalidArgument, ResourceExhausted,
                             Unavailable, error_from_code)
@@ -70,12 +70,11 @@ class Frontend:
                 telemetry.REQUEST_CLASS: request_class})
             entry = self.build_entry(tenant, req, request_class, deadline_unix_ns)
             try:
-                reservation = await self._admit_and_claim(tenant, req, entry, deadline_unix_ns)
-                entry.reservation = reservation.to_dict()
                 try:
-                    await self.redis.xadd(queue.queue_stream(entry.request_class), entry.encode())
-                except BaseException:
-                    await self.admission.settle(reservation, 0)
+                    await self._admit_and_enqueue(tenant, req, entry, deadline_unix_ns)
+                except asyncio.CancelledError:
+                    # The client went away mid-call: the entry may be queued, so have it aborted.
+                    await self._cancel(req.request_id)
                     raise
                 async for out in self._relay(req, request_class, deadline_unix_ns):
                     if isinstance(out, FinalOut):
@@ -86,12 +85,14 @@ class Frontend:
             except RedisError as exc:
                 raise Unavailable(f"queue store unavailable ({type(exc).__name__}); retry") from exc
 
-    async def _admit_and_claim(self, tenant: Tenant, req: ValidRequest, entry: queue.QueueEntry,
-                               deadline_unix_ns: int) -> Reservation:
-        """Admission, the queue bound and the request id's claim in one round trip.
+    async def _admit_and_enqueue(self, tenant: Tenant, req: ValidRequest, entry: queue.QueueEntry,
+                                 deadline_unix_ns: int) -> None:
+        """Admission, the request id's claim, the queue bound and the enqueue: all or nothing,
+        in one round trip (llmmesh.admission's enqueue script), the only one before a router
+        can read the request.
 
         One result stream per request id: claiming the id keeps two requests (or two tenants)
-        from ever sharing a stream. Whatever one of the three refuses, the others are undone.
+        from ever sharing a stream.
         """
         if deadline_unix_ns and time.time_ns() >= deadline_unix_ns:
             raise DeadlineExceeded("deadline passed before the request was queued")
@@ -105,50 +106,26 @@ class Frontend:
         period, period_end_s = plan.period(time.time())
         lease_s = (deadline_unix_ns - time.time_ns()) / 1e9 if deadline_unix_ns else _DEFAULT_LEASE_S
         # Each admission holds its own reservation: a client re-sending a request id that is
-        # still running gets ALREADY_EXISTS, and releasing its reservation must not release the
-        # running request's (they would share a concurrency slot and a settle marker).
+        # still running gets ALREADY_EXISTS and must never touch the running request's
+        # concurrency slot or settle marker.
         reservation_id = f"{req.request_id}#{secrets.token_hex(4)}"
-        check = self.admission.admit_command(
+        budget_key = admission_keys(tenant.tenant_id, period)[3] if plan.token_budget else ""
+        # The entry carries its reservation, so whoever ends the request settles it.
+        entry.reservation = Reservation(tenant.tenant_id, reservation_id, need, budget_key).to_dict()
+        code, retry_s = await self.admission.admit_and_enqueue(
+            claim_key=f"{queue.PREFIX}:req:{{{entry.request_id}}}", claim_value=entry.tenant_id,
+            claim_ttl_s=queue.RESULT_TTL_S, stream=queue.queue_stream(entry.request_class),
+            max_len=self.config.max_queue_len, fields=entry.encode(),
             tenant_id=tenant.tenant_id, request_id=reservation_id,
             rpm=plan.requests_per_minute, tpm=plan.tokens_per_minute,
             max_concurrent=plan.max_concurrent, budget=plan.token_budget, period=period,
             period_end_s=period_end_s, tokens=need, lease_s=max(1.0, lease_s))
-        claim_key = f"{queue.PREFIX}:req:{{{entry.request_id}}}"
-        for retry in (False, True):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.evalsha(*check)
-                pipe.xlen(queue.queue_stream(entry.request_class))
-                pipe.set(claim_key, entry.tenant_id, nx=True, ex=queue.RESULT_TTL_S)
-                admitted, length, claimed = await pipe.execute(raise_on_error=False)
-            for reply in (length, claimed):
-                if isinstance(reply, Exception):
-                    raise reply
-            if isinstance(admitted, NoScriptError) and not retry:
-                # Redis restarted and lost its scripts: load them and ask again.
-                if claimed:
-                    await self.redis.delete(claim_key)
-                await self.admission.load_scripts()
-                continue
-            break
-        if isinstance(admitted, Exception):
-            if claimed:
-                await self.redis.delete(claim_key)
-            raise admitted
-        code, retry_s = Admission.outcome(admitted)
-        budget_key = admission_keys(tenant.tenant_id, period)[3] if plan.token_budget else ""
-        reservation = Reservation(tenant.tenant_id, reservation_id, need, budget_key)
-        if not claimed:
-            if not code:
-                await self.admission.settle(reservation, 0)
+        if code == ALREADY_USED:
             raise AlreadyExists(f"request_id {entry.request_id!r} was already used")
-        if code or length >= self.config.max_queue_len:
-            # Refused: the id may be used again, and an admitted reservation is released.
-            await self.redis.delete(claim_key)
-            if code:
-                raise ResourceExhausted(f"tenant {tenant.tenant_id}: {REFUSALS[code]} reached", retry_s)
-            await self.admission.settle(reservation, 0)
-            raise ResourceExhausted(f"{entry.request_class} queue is full", retry_after_s=2.0)
-        return reservation
+        if code == QUEUE_FULL:
+            raise ResourceExhausted(f"{entry.request_class} queue is full", retry_after_s=retry_s)
+        if code:
+            raise ResourceExhausted(f"tenant {tenant.tenant_id}: {REFUSALS[code]} reached", retry_s)
 
     def build_entry(self, tenant: Tenant, req: ValidRequest, request_class: str,
                deadline_unix_ns: int) -> queue.QueueEntry:

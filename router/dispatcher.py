@@ -217,7 +217,12 @@ class Dispatcher:
         if e.reservation:
             used = len(e.prompt_token_ids) + len(p.delivered) if billed else 0
             await self.admission.settle(Reservation(**e.reservation), used)
-        await self.redis.xack(queue.queue_stream(cls), queue.ROUTER_GROUP, entry_id)
+        # Acknowledged and deleted: the stream's length is what waits or runs, which is what
+        # the gateway's queue bound counts (acknowledged entries used to stay and fill it).
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xack(queue.queue_stream(cls), queue.ROUTER_GROUP, entry_id)
+            pipe.xdel(queue.queue_stream(cls), entry_id)
+            await pipe.execute()
 
     async def _attempts(self, p: RequestProgress, cancelled_early: bool) -> tuple[str, str]:
         e = p.entry

@@ -5,7 +5,7 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from llmmesh.admission import Admission, Reservation, keys
+from llmmesh.admission import ALREADY_USED, QUEUE_FULL, Admission, Reservation, keys
 
 UNLIMITED = dict(rpm=0, tpm=0, max_concurrent=0, budget=0)
 
@@ -94,4 +94,37 @@ def test_a_refused_check_changes_nothing(redis_server):
         # The refused request took no concurrency slot and no budget.
         assert await client.zcard(keys("t1", "p")[2]) == 1
         assert await adm.budget_state("t1", "p") == (0, 10)
+    run(body, redis_server)
+
+
+def test_admit_and_enqueue_is_all_or_nothing(redis_server):
+    """One round trip admits, claims the id, checks the queue bound and enqueues. A refusal of
+    any kind writes nothing: no entry, no claim, no reservation."""
+    async def enqueue(adm, rid, max_len=3, **limits):
+        return await adm.admit_and_enqueue(
+            claim_key=f"claim:{rid}", claim_value="t1", claim_ttl_s=60, stream="q", max_len=max_len,
+            fields={"d": rid}, tenant_id="t1", request_id=f"{rid}#x", period="p",
+            period_end_s=4e9, tokens=100, lease_s=60, **{**UNLIMITED, **limits})
+
+    async def body(client):
+        adm = Admission(client)
+        assert await enqueue(adm, "a", budget=250) == (0, 0)
+        assert [f for _, f in await client.xrange("q")] == [{"d": "a"}]
+        assert await client.get("claim:a") == "t1"
+        assert await adm.budget_state("t1", "p") == (0, 100)
+        # The same id again: refused before admission reserves anything.
+        assert (await enqueue(adm, "a", budget=250))[0] == ALREADY_USED
+        assert await adm.budget_state("t1", "p") == (0, 100)
+        # Over budget: refused, nothing claimed or queued.
+        assert (await enqueue(adm, "b", budget=150))[0] == 4
+        assert not await client.exists("claim:b") and await client.xlen("q") == 1
+        # The queue bound: full at 1 entry, refused with a delay, nothing reserved or claimed.
+        code, retry_s = await enqueue(adm, "c", max_len=1, budget=250)
+        assert code == QUEUE_FULL and retry_s > 0
+        assert not await client.exists("claim:c") and await client.xlen("q") == 1
+        assert await adm.budget_state("t1", "p") == (0, 100)
+        # After a Redis restart forgets its scripts, the call reloads it itself.
+        await client.script_flush()
+        assert await enqueue(adm, "d", budget=250) == (0, 0)
+        assert await client.xlen("q") == 2
     run(body, redis_server)

@@ -270,6 +270,9 @@ def test_interactive_request_cancelled_while_queued_is_aborted_unbilled(mesh):
                              metadata=auth(DEMO_KEYS["acme"]), timeout=30)
         assert list(done.token_ids) == [14] and done.final.usage.completion_tokens == 1
         assert worker.calls == 2 and len(worker.aborted) == 1
+        # Ended entries leave the queue stream (its length is what the gateway's bound counts).
+        wait_until(lambda: r.xlen(queue.queue_stream("interactive")) == 0, 10,
+                   what="the ended entries to leave the queue")
     finally:
         worker.server.stop(0)
 
