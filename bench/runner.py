@@ -36,7 +36,10 @@ class Options:
     threads: int = 0  # llama-server threads; 0: llama.cpp's default (physical cores)
     gateway: str = ""  # an external mesh instead of a private one
     costd: str = ""
-    warmup_requests: int = 2
+    # Sent all at once before the first level: as many as llama-server has slots, since its
+    # prompt cache is per slot (with 2 sent one by one, its first level paid for the system
+    # prompt in up to 30 cold slots and read as its worst). The mesh's one prefix cache needs one.
+    warmup_requests: int = 32
     settle_s: float = 1.0  # pause after warm-up and between levels: their spans land apart
     progress: bool = True
     command: str = ""
@@ -123,7 +126,7 @@ async def _run_target(target, opts: Options, levels: list[Level], warm: list,
     try:  # start inside: a target that fails half-way still stops what it started
         await target.start()
         if warm:
-            await loadgen.run_closed_loop(target, warm, 1, opts.profile.drain_s)
+            await loadgen.run_closed_loop(target, warm, len(warm), opts.profile.drain_s)
             await asyncio.sleep(opts.settle_s)
         results = []
         for level in levels:

@@ -256,6 +256,9 @@ class Dispatcher:
     async def _check_cancelled_early(self, p: RequestProgress) -> bool:
         """Whether the client cancelled before this router read the entry (its pubsub message
         came before the request was running here); if so, abort it on its worker."""
+        # Let the first attempt's gRPC call (its send runs in a task created after this one)
+        # go out before this Redis round trip.
+        await asyncio.sleep(0)
         try:
             cancelled = bool(await self.redis.exists(queue.cancel_key(p.entry.request_id)))
         except RedisError as exc:

@@ -70,12 +70,14 @@ class FakeTarget:
     def __init__(self, name="mesh", step_s=0.002, hang=False):
         self.name, self.step_s, self.hang = name, step_s, hang
         self.in_flight = 0
+        self.in_flight_at_start: list[int] = []   # per call, counting itself
 
     async def start(self):
         pass
 
     async def stream(self, spec):
         self.in_flight += 1
+        self.in_flight_at_start.append(self.in_flight)
         try:
             if self.hang:
                 await asyncio.Event().wait()
@@ -197,7 +199,12 @@ def test_full_run_writes_report_plots_and_verdicts(tmp_path, tok):
     profile = _profile(tmp_path)
     opts = Options(profile=profile, targets=("mesh", "worker"), progress=False, command="test",
                    settle_s=0.0)
-    results = asyncio.run(run_bench(opts, make=lambda name, _: FakeTarget(name)))
+    made = {}
+    results = asyncio.run(run_bench(opts, make=lambda name, _: made.setdefault(name, FakeTarget(name))))
+    # The warm-up's requests (up to 32: one per llama-server slot) go at once, before any level.
+    num_warm = len(workload.warmup(profile, tok, opts.warmup_requests))
+    assert opts.warmup_requests == 32 and num_warm > 2
+    assert max(made["mesh"].in_flight_at_start[:num_warm]) == num_warm
     levels = results["targets"]["mesh"]["levels"]
     assert [lv["label"] for lv in levels] == ["chat alone ×1", "×1", "chat alone ×2", "×2"]
     # One tenant per class: tenant × class pairs would repeat the class rows.
