@@ -34,7 +34,10 @@ def _git() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
                               capture_output=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, text=True,
+        # Changed tracked files other than results (an earlier bench in the same checkout
+        # rewrites those; untracked links such as a shared .venv change no code either).
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", ":(exclude)bench/results"], cwd=REPO, text=True,
                                capture_output=True, check=True).stdout.strip()
         return head + (" (uncommitted changes)" if dirty else "")
     except (OSError, subprocess.CalledProcessError):

@@ -82,6 +82,8 @@ def apply_stream_state(p: RequestProgress, delivered: list[int], end: dict | Non
     """Take what the result stream says: the delivered tokens and, when the request in fact
     ended on a worker (whose final message no router received), how it ended."""
     p.delivered = delivered
+    if p.end_reason is not None:
+        return   # already taken (the marker's usage counts once)
     if end is not None:
         p.end_reason = end["finish_reason"]
         u = end.get("usage", {})
