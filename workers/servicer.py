@@ -110,12 +110,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         written: list[int] = []
         try:
             async for out in outputs:
-                if out.new_token_ids:
+                # Tokens the engine made after a stop string matched (before the abort took
+                # effect) are dropped: the completion ends with the token that completed it.
+                if out.new_token_ids and not matcher.matched:
                     if not ids:
                         oldest = time.monotonic()
                     ids += out.new_token_ids
                     logprobs += out.new_logprobs or []
-                    if not out.finished and matcher.push(out.new_token_ids):
+                    if matcher.push(out.new_token_ids) and not out.finished:
                         self.engine.abort(request.request_id)  # its final arrives as "abort"
                 if out.finished and out.finish_reason == "error":
                     # An engine failure, not the request's fault: the router retries elsewhere

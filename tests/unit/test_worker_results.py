@@ -18,7 +18,12 @@ from workers.servicer import WorkerServicer
 
 
 class _Tokenizer:
+    """Each token decodes to `<id>`, so a stop string can name one token of the output."""
+
     stop_token_ids = ()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids)
 
 
 class _Context:
@@ -26,11 +31,11 @@ class _Context:
         return ()
 
 
-def _request(rid: str, stream: str = "", cls=common_pb2.REQUEST_CLASS_INTERACTIVE):
+def _request(rid: str, stream: str = "", cls=common_pb2.REQUEST_CLASS_INTERACTIVE, stop=()):
     return worker_pb2.WorkerGenerateRequest(
         request_id=rid, tenant_id="t", model="tiny", prompt_token_ids=[5, 6, 7, 8, 9],
-        sampling=common_pb2.SamplingParams(max_tokens=6, temperature=0), request_class=cls,
-        result_stream=stream)
+        sampling=common_pb2.SamplingParams(max_tokens=6, temperature=0, stop=list(stop)),
+        request_class=cls, result_stream=stream)
 
 
 def _run(model, redis_url: str, *requests):
@@ -91,3 +96,36 @@ def test_worker_stops_when_its_index_was_already_written(model, redis_server):
     (outcome,), streams = _run(model, redis_server.url, _request("c", stream))
     assert isinstance(outcome, Aborted) and "index 0 was already delivered" in str(outcome)
     assert [entry_id for entry_id, _ in streams[stream]] == [queue.token_entry_id(3)]
+
+
+def test_stop_string_ends_the_stream_at_its_token_with_an_empty_marked_last_chunk(model, redis_server):
+    """A stop string completed by the 3rd token: the stream holds exactly 3 tokens (none the
+    engine made before the abort took effect), then an empty chunk whose end marker says stop;
+    the final says stop too. The same request without the stop runs to max_tokens (6)."""
+    (plain,), _ = _run(model, redis_server.url, _request("p", queue.result_stream("p")))
+    full = list(plain[-1].final.token_ids)
+    assert len(full) == 6
+    stream = queue.result_stream("s")
+    (stopped,), streams = _run(model, redis_server.url,
+                               _request("s", stream, stop=[f"<{full[2]}>"]))
+    # A token id may repeat: the stop matches at its first occurrence.
+    first = full.index(full[2]) + 1
+    assert list(stopped[-1].final.token_ids) == full[:first]
+    assert stopped[-1].final.finish_reason == common_pb2.FINISH_REASON_STOP
+    events = [queue.decode_event(f) for _, f in streams[stream]]
+    assert [i for e in events for i in e["ids"]] == full[:first]
+    assert events[-1]["ids"] == [] and events[-1]["end"]["finish_reason"] == "stop"
+    assert all("end" not in e for e in events[:-1])
+
+
+def test_stop_string_completed_by_the_last_allowed_token_still_says_stop(model, redis_server):
+    """The 6th token (max_tokens=6) completes the stop string: the request ends there either
+    way, but its finish reason is stop, not length."""
+    (plain,), _ = _run(model, redis_server.url, _request("q", queue.result_stream("q")))
+    full = list(plain[-1].final.token_ids)
+    assert plain[-1].final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert full[-1] not in full[:-1]   # the stop string first appears with the last token
+    (stopped,), _ = _run(model, redis_server.url,
+                         _request("r", queue.result_stream("r"), stop=[f"<{full[-1]}>"]))
+    assert list(stopped[-1].final.token_ids) == full
+    assert stopped[-1].final.finish_reason == common_pb2.FINISH_REASON_STOP
