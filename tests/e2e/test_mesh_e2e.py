@@ -155,3 +155,45 @@ def test_one_trace_per_request_across_gateway_router_worker(mesh, gateway, span_
         assert a["gen_ai.usage.output_tokens"] == final.usage.completion_tokens
     assert rt["attributes"]["llmmesh.usage.final"] is True  # the one billing record
     assert "llmmesh.usage.final" not in gw["attributes"] and "llmmesh.usage.final" not in wk["attributes"]
+
+
+def test_seed_logprobs_and_stop_strings_through_the_mesh(gateway):
+    """Sampling options survive gateway → queue → router → worker → result stream → client:
+    the same seed gives the same tokens (another seed other tokens), logprobs come one per token,
+    and a stop string ends the completion at the token that completes it, text cut before it.
+
+    Seeds repeat under the same conditions: the prompt is cached before the seeded runs, since
+    a cold prefill and a cached prefix differ in the last bits (README, "Sampling")."""
+    def run(max_tokens=24, **sampling):
+        req = _chat("Tell me about the moon and the stars.", max_tokens=max_tokens)
+        for k, v in sampling.items():
+            if k == "stop":
+                req.sampling.stop.extend(v)
+            else:
+                setattr(req.sampling, k, v)
+        chunks, _, final = _stream(gateway, req, "acme")
+        return chunks, final
+
+    def ids(chunks):
+        return [i for c in chunks for i in c.token_ids]
+
+    run(max_tokens=1)   # caches the prompt
+    a, _ = run(temperature=0.9, seed=1234, logprobs=True)
+    b, _ = run(temperature=0.9, seed=1234)
+    c, _ = run(temperature=0.9, seed=99)
+    assert ids(a) == ids(b) and ids(a) != ids(c)
+    assert all(len(ch.logprobs) == len(ch.token_ids) for ch in a)
+    assert all(lp <= 0.0 for ch in a for lp in ch.logprobs) and ids(a)
+
+    greedy, final = run()
+    text = "".join(ch.text for ch in greedy)
+    assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    # A stop string that first appears a few tokens in: the first word of 4+ letters after the
+    # opening 10 characters.
+    word = next(w for w in text[10:].split() if len(w) >= 4 and w.isalpha())
+    stopped, final = run(stop=[word])
+    cut = "".join(ch.text for ch in stopped)
+    assert final.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert word not in cut and text.startswith(cut)
+    assert ids(stopped) == ids(greedy)[:len(ids(stopped))] and len(ids(stopped)) < len(ids(greedy))
+    assert final.usage.completion_tokens == len(ids(stopped))
