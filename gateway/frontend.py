@@ -70,11 +70,17 @@ class Frontend:
                 telemetry.REQUEST_CLASS: request_class})
             entry = self.build_entry(tenant, req, request_class, deadline_unix_ns)
             try:
+                enqueue = asyncio.ensure_future(
+                    self._admit_and_enqueue(tenant, req, entry, deadline_unix_ns))
                 try:
-                    await self._admit_and_enqueue(tenant, req, entry, deadline_unix_ns)
+                    await asyncio.shield(enqueue)
                 except asyncio.CancelledError:
-                    # The client went away mid-call: the entry may be queued, so have it aborted.
-                    await self._cancel(req.request_id)
+                    # The client went away mid-call. Abort the request only if the script did
+                    # enqueue it: a refused one may share its id with another request (another
+                    # tenant's, or this client's retry), which a cancel would abort.
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(enqueue)
+                        await self._cancel(req.request_id)
                     raise
                 async for out in self._relay(req, request_class, deadline_unix_ns):
                     if isinstance(out, FinalOut):

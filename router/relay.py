@@ -149,11 +149,18 @@ async def run_attempt(p: RequestProgress, worker: WorkerHandle, redis: aioredis.
                 if first:
                     p.cached_prompt_tokens = min(u.cached_prompt_tokens, len(p.entry.prompt_token_ids))
                     p.queue_s = u.queue_seconds
-                return _FINISH.get(msg.final.finish_reason, "stop")
+                # Ended: a later sync must not count the last chunk's end marker again.
+                p.end_reason = _FINISH.get(msg.final.finish_reason, "stop")
+                return p.end_reason
         log.warning("request %s: worker %s ended the stream without a final", p.entry.request_id,
                     worker.worker_id)
     except grpc.aio.AioRpcError as exc:
         if exc.code() not in _RETRYABLE:
+            # The call can fail after the request ended (a deadline firing between the worker's
+            # marked last chunk and its final message): then it completed.
+            await sync_delivered(p, redis)
+            if p.end_reason is not None:
+                return p.end_reason
             # The caller writes the error event first and then syncs, so that a token the worker
             # appends meanwhile is either before the error event (and billed) or refused.
             raise RequestFailed(exc.code().name, exc.details() or exc.code().name) from exc

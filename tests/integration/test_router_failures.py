@@ -281,6 +281,8 @@ class EndingWorker(FailingWorker):
     """Writes the whole completion to the result stream itself, its last chunk marked as the
     end (as real workers do), then dies before its final message reaches the router."""
 
+    code = grpc.StatusCode.UNAVAILABLE
+
     def Generate(self, request, context):
         self.calls += 1
         r = redis.Redis.from_url(self.redis_url)
@@ -288,14 +290,17 @@ class EndingWorker(FailingWorker):
         end = {"finish_reason": "stop", "usage": {"cached_prompt_tokens": 0, "queue_s": 0.0,
                                                   "prefill_device_s": 0.25, "decode_device_s": 0.5}}
         r.xadd(request.result_stream, queue.tokens_event(2, [13], end=end), id=queue.token_entry_id(2))
-        context.abort(grpc.StatusCode.UNAVAILABLE, "died before its final")
+        context.abort(self.code, "died before its final")
 
 
-def test_worker_dying_after_its_last_chunk_is_not_run_again(mesh, failing):
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED])
+def test_worker_dying_after_its_last_chunk_is_not_run_again(mesh, failing, code):
     """The end marker on the last chunk tells the router the request is done: it writes the
-    final (stop, 3 tokens, the worker's device time) and calls no second worker. Without the
-    marker (test above) the same break resumes on another worker."""
+    final (stop, 3 tokens, the worker's device time) and calls no second worker, whether the
+    call then broke retryably or not (a deadline firing between the last chunk and the final).
+    Without the marker (test above) the same break resumes on another worker."""
     ending = EndingWorker()
+    ending.code = code
     ending.redis_url = mesh.redis_url
     try:
         ending.register(mesh.redis_url, "ending")

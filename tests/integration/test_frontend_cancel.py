@@ -1,0 +1,55 @@
+"""The gateway's frontend against a real redis-server: a client that goes away while the
+enqueue script is in flight has its request aborted only if the script enqueued it. A refused
+request's id may be another request's (another tenant's, or this client's own retry)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+from opentelemetry import trace
+
+from gateway.frontend import Frontend, FrontendConfig
+from gateway.tenants import Tenant
+from gateway.validation import ServedModel, ValidRequest
+from llmmesh import queue
+from llmmesh.admission import ALREADY_USED
+
+
+class _Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+@pytest.mark.parametrize("outcome", [(0, 0.0), (ALREADY_USED, 0.0)])
+def test_cancel_during_enqueue_aborts_only_what_was_enqueued(redis_server, outcome):
+    async def body():
+        client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        frontend = Frontend(client, FrontendConfig(), trace.get_tracer("test"))
+        started, release = asyncio.Event(), asyncio.Event()
+
+        async def slow_enqueue(**_):          # the script's round trip, held open
+            started.set()
+            await release.wait()
+            return outcome
+        frontend.admission.admit_and_enqueue = slow_enqueue
+        req = ValidRequest("shared-id", ServedModel("m", 2048, "int8", _Tokenizer()), [1, 2, 3],
+                           {"max_tokens": 4, "stop": []}, "interactive")
+        tenant = Tenant("acme", ("interactive", "batch"), "acme")
+
+        async def consume():
+            async for _ in frontend.generate(tenant, req, 0):
+                pass
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()                          # the client goes away mid-call
+        await asyncio.sleep(0.05)
+        release.set()                          # then the script's reply arrives
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        cancelled = await client.exists(queue.cancel_key("shared-id"))
+        await client.aclose()
+        return cancelled
+    cancelled = asyncio.run(body())
+    # Enqueued: aborted. Refused (the id is someone else's): left alone.
+    assert cancelled == (1 if outcome[0] == 0 else 0)
