@@ -11,6 +11,7 @@ from llmmesh.errors import Aborted, DeadlineExceeded, Internal, InvalidArgument,
 from llmmesh.tokenizer import IncrementalDetokenizer
 from llmmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from workers.engine.async_engine import AsyncEngine
+from workers.engine.outputs import RequestUsage
 from workers.engine.sampling import SamplingParams
 
 INTERACTIVE, BATCH = 0, 1
@@ -98,15 +99,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def _stream(self, request, sampling, span):
         matcher = StopStringMatcher(self.tokenizer, list(request.sampling.stop))
         index = request.start_index
+        stream = request.result_stream if self.results is not None else ""
+        # A retry continues after the tokens earlier attempts delivered (the prompt's last
+        # start_index tokens): stop strings see them too, and one that already matched (its
+        # attempt broke off before its end marker) ends the request here.
+        if index > 0 and matcher.push(list(request.prompt_token_ids[-index:])):
+            usage = RequestUsage(len(request.prompt_token_ids), 0, 0, 0.0, 0.0, 0.0)
+            if stream:
+                await self._append(stream, index, [], [], end=_end_marker("stop", usage))
+            yield self._final("stop", usage, span)
+            return
         priority = BATCH if request.request_class == common_pb2.REQUEST_CLASS_BATCH else INTERACTIVE
         outputs = self.engine.generate(request.request_id, list(request.prompt_token_ids), sampling,
                                        priority=priority, cache_salt=request.cache_salt)
         ids: list[int] = []
         logprobs: list[float] = []
         oldest = 0.0
-        # Straight to the request's result stream (one hop less per token than relaying them
-        # through the router), when asked and able to.
-        stream = request.result_stream if self.results is not None else ""
+        # Tokens go straight to the request's result stream when it names one (one hop less
+        # per token than relaying them through the router).
         written: list[int] = []
         try:
             async for out in outputs:

@@ -31,11 +31,15 @@ class _Context:
         return ()
 
 
-def _request(rid: str, stream: str = "", cls=common_pb2.REQUEST_CLASS_INTERACTIVE, stop=()):
+def _request(rid: str, stream: str = "", cls=common_pb2.REQUEST_CLASS_INTERACTIVE, stop=(),
+             delivered=()):
+    """`delivered`: tokens earlier attempts delivered (a retry's prompt ends with them)."""
     return worker_pb2.WorkerGenerateRequest(
-        request_id=rid, tenant_id="t", model="tiny", prompt_token_ids=[5, 6, 7, 8, 9],
-        sampling=common_pb2.SamplingParams(max_tokens=6, temperature=0, stop=list(stop)),
-        request_class=cls, result_stream=stream)
+        request_id=rid, tenant_id="t", model="tiny", prompt_token_ids=[5, 6, 7, 8, 9, *delivered],
+        sampling=common_pb2.SamplingParams(max_tokens=6 - len(delivered), temperature=0,
+                                           stop=list(stop)),
+        request_class=cls, result_stream=stream, start_index=len(delivered),
+        num_original_prompt_tokens=5)
 
 
 def _run(model, redis_url: str, *requests):
@@ -129,3 +133,22 @@ def test_stop_string_completed_by_the_last_allowed_token_still_says_stop(model, 
                          _request("r", queue.result_stream("r"), stop=[f"<{full[-1]}>"]))
     assert list(stopped[-1].final.token_ids) == full
     assert stopped[-1].final.finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_retry_whose_delivered_tokens_hold_the_stop_ends_at_once(model, redis_server):
+    """An attempt broke off after delivering the token that completed a stop string but before
+    its end marker: the retry sees the delivered tokens, generates nothing and ends as stop.
+    A retry whose delivered tokens do not hold it generates on (the rest of the 6)."""
+    (plain,), _ = _run(model, redis_server.url, _request("u", queue.result_stream("u")))
+    full = list(plain[-1].final.token_ids)
+    stop = f"<{full[1]}>"
+    stream = queue.result_stream("v")
+    (retry,), streams = _run(model, redis_server.url,
+                             _request("v", stream, stop=[stop], delivered=full[:2]))
+    assert retry[-1].final.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert list(retry[-1].final.token_ids) == []
+    (event,) = [queue.decode_event(f) for _, f in streams[stream]]
+    assert event["index"] == 2 and event["ids"] == [] and event["end"]["finish_reason"] == "stop"
+    (other,), _ = _run(model, redis_server.url,
+                       _request("w", queue.result_stream("w"), stop=["<nope>"], delivered=full[:2]))
+    assert list(other[-1].final.token_ids) == full[2:]
