@@ -200,8 +200,10 @@ def _idle_lines(period_device: tuple[int, int, str], used: Sequence[CostLine],
     warnings = []
     if idle_ns < 0:
         warnings.append(f"{device}: attributed device time exceeds reported capacity by "
-                        f"{-idle_ns / 1e9:.3f} s in [{iso(start_ns)}, {iso(end_ns)}) — "
-                        "are its workers sending capacity reports?")
+                        f"{-idle_ns / 1e9:.3f} s in [{iso(start_ns)}, {iso(end_ns)}) — a "
+                        "request's device time counts where the request ended, so a window of "
+                        "seconds over a busy device can show this; over hours, check that its "
+                        "workers send capacity reports")
     if idle_ns == 0 and idle_cost == 0 and idle_list == 0:
         return [], warnings
     by_tenant: dict[str, int] = defaultdict(int)
