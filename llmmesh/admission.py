@@ -126,6 +126,14 @@ def keys(tenant_id: str, period: str) -> list[str]:
             f"{PREFIX}:budget:{tag}:{period}"]
 
 
+def _admit_keys_args(*, tenant_id: str, request_id: str, rpm: int, tpm: int,
+                     max_concurrent: int, budget: int, period: str, period_end_s: float,
+                     tokens: int, lease_s: float) -> tuple[list, list]:
+    """_ADMIT's KEYS and ARGV, in the order its header names them."""
+    return keys(tenant_id, period), [rpm, tpm, max_concurrent, budget, tokens, request_id,
+                                     lease_s, period_end_s]
+
+
 class Admission:
     def __init__(self, redis: aioredis.Redis):
         self._redis = redis
@@ -133,24 +141,12 @@ class Admission:
         self._settle = redis.register_script(_SETTLE)
         self._enqueue = redis.register_script(_ADMIT_AND_ENQUEUE)
 
-    async def admit(self, *, tenant_id: str, request_id: str, rpm: int, tpm: int,
-                    max_concurrent: int, budget: int, period: str, period_end_s: float,
-                    tokens: int, lease_s: float) -> tuple[int, float]:
-        """(0, 0) when admitted, else (reason code, retry-after seconds)."""
-        _, num_keys, *rest = self.admit_command(
-            tenant_id=tenant_id, request_id=request_id, rpm=rpm, tpm=tpm,
-            max_concurrent=max_concurrent, budget=budget, period=period,
-            period_end_s=period_end_s, tokens=tokens, lease_s=lease_s)
+    async def admit(self, **admit_args) -> tuple[int, float]:
+        """(0, 0) when admitted, else (reason code, retry-after seconds). Arguments as
+        _admit_keys_args."""
+        keys_, args = _admit_keys_args(**admit_args)
         # Through the registered script, which reloads it itself after a Redis restart.
-        return self.outcome(await self._admit(keys=rest[:num_keys], args=rest[num_keys:]))
-
-    def admit_command(self, *, tenant_id: str, request_id: str, rpm: int, tpm: int,
-                      max_concurrent: int, budget: int, period: str, period_end_s: float,
-                      tokens: int, lease_s: float) -> tuple:
-        """The check as EVALSHA arguments: (sha, number of keys, *keys, *args)."""
-        k = keys(tenant_id, period)
-        return (self._admit.sha, len(k), *k, rpm, tpm, max_concurrent, budget, tokens, request_id,
-                lease_s, period_end_s)
+        return self._outcome(await self._admit(keys=keys_, args=args))
 
     async def admit_and_enqueue(self, *, claim_key: str, claim_value: str, claim_ttl_s: int,
                                 stream: str, max_len: int, fields: dict[str, str],
@@ -158,15 +154,15 @@ class Admission:
         """Admit (as admit()), claim the request id, check the queue bound and XADD `fields`
         to `stream`, all or nothing, in one round trip. (0, 0) when enqueued, else (code,
         retry-after seconds): 1-4 REFUSALS, ALREADY_USED, QUEUE_FULL."""
-        _, num_keys, *rest = self.admit_command(**admit_args)
+        keys_, args = _admit_keys_args(**admit_args)
         # The registered script reloads itself after a Redis restart (NOSCRIPT).
-        return self.outcome(await self._enqueue(
-            keys=[*rest[:num_keys], claim_key, stream],
-            args=[*rest[num_keys:], claim_value, claim_ttl_s, max_len,
+        return self._outcome(await self._enqueue(
+            keys=[*keys_, claim_key, stream],
+            args=[*args, claim_value, claim_ttl_s, max_len,
                   *(x for pair in fields.items() for x in pair)]))
 
     @staticmethod
-    def outcome(reply) -> tuple[int, float]:
+    def _outcome(reply) -> tuple[int, float]:
         code, wait_ms = reply
         return int(code), int(wait_ms) / 1000.0
 
