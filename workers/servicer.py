@@ -99,6 +99,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def _stream(self, request, sampling, span):
         matcher = StopStringMatcher(self.tokenizer, list(request.sampling.stop))
         index = request.start_index
+        # Tokens go straight to the request's result stream when it names one (one hop less
+        # per token than relaying them through the router).
         stream = request.result_stream if self.results is not None else ""
         # A retry continues after the tokens earlier attempts delivered (the prompt's last
         # start_index tokens): stop strings see them too, and one that already matched (its
@@ -115,9 +117,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         ids: list[int] = []
         logprobs: list[float] = []
         oldest = 0.0
-        # Tokens go straight to the request's result stream when it names one (one hop less
-        # per token than relaying them through the router).
-        written: list[int] = []
+        written: list[int] = []   # appended to the result stream by this attempt
         try:
             async for out in outputs:
                 # Tokens the engine made after a stop string matched (before the abort took
@@ -133,32 +133,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     # An engine failure, not the request's fault: the router retries elsewhere
                     # (from the tokens it already relayed; a held chunk is computed again).
                     raise Internal(f"engine error on worker {self.worker_id}: {out.error}")
-                if out.finished:
-                    reason = "stop" if matcher.matched else out.finish_reason
+                reason = ("stop" if matcher.matched else out.finish_reason) if out.finished else None
+                if reason or (ids and (priority == INTERACTIVE or matcher.matched
+                                       or len(ids) >= BATCH_CHUNK_TOKENS
+                                       or time.monotonic() - oldest >= BATCH_CHUNK_S)):
                     if stream:
-                        # The last chunk (tokens or not) says the request ended here, so a
-                        # router that takes it over does not run it on (see tokens_event).
-                        await self._append(stream, index, ids, logprobs,
-                                           end=_end_marker(reason, out.usage))
+                        # The last chunk (tokens or not) carries the end marker, so a router
+                        # that takes the request over does not run it on (see tokens_event).
+                        end = _end_marker(reason, out.usage) if reason else None
+                        await self._append(stream, index, ids, logprobs, end=end)
                         written += ids
                     elif ids:
                         yield worker_pb2.WorkerGenerateResponse(tokens=worker_pb2.WorkerTokens(
                             index=index, token_ids=ids, logprobs=logprobs))
+                    index += len(ids)
+                    ids, logprobs = [], []
+                if reason:
                     final = self._final(reason, out.usage, span)
                     final.final.token_ids.extend(written)
                     yield final
                     return
-                if ids and (priority == INTERACTIVE or matcher.matched
-                            or len(ids) >= BATCH_CHUNK_TOKENS
-                            or time.monotonic() - oldest >= BATCH_CHUNK_S):
-                    if stream:
-                        await self._append(stream, index, ids, logprobs)
-                        written += ids
-                    else:
-                        yield worker_pb2.WorkerGenerateResponse(tokens=worker_pb2.WorkerTokens(
-                            index=index, token_ids=ids, logprobs=logprobs))
-                    index += len(ids)
-                    ids, logprobs = [], []
         finally:
             await outputs.aclose()
 
