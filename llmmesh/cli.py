@@ -71,7 +71,7 @@ def _print_ready(mesh) -> None:
         typer.echo(f"  tenant {tenant:<7} API key {key}")
     typer.echo("\nTry:\n"
                f"  .venv/bin/llmmesh generate --gateway {gw} --api-key {DEMO_KEYS['acme']} "
-               "\"What is the capital of France?\"\n"
+               "\"What is the capital of Japan?\"\n"
                f"  .venv/bin/llmmesh usage --costd {cd} --tenant acme\n\nCtrl-C stops everything.")
 
 

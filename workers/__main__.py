@@ -40,7 +40,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--device", default=env("LLMMESH_DEVICE", "cpu"))
     p.add_argument("--dtype", default=env("LLMMESH_DTYPE", "float32"))
     p.add_argument("--quantization", default=env("LLMMESH_QUANTIZATION", "auto"),
-                   choices=QUANTIZATIONS, help="weight storage; auto: int8 on CPU (with the AVX2 kernels), bf16 on CUDA")
+                   choices=QUANTIZATIONS, help="weight storage; auto: int4 on CPU (with the AVX2 kernels), bf16 on CUDA")
     p.add_argument("--max-num-seqs", type=int, default=int(env("LLMMESH_MAX_NUM_SEQS", "32")))
     p.add_argument("--kv-cache-mib", type=int, default=int(env("LLMMESH_KV_CACHE_MIB", "512")))
     p.add_argument("--block-size", type=int, default=int(env("LLMMESH_BLOCK_SIZE", "16")))

@@ -44,13 +44,15 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2, help="best of N per cell")
     p.add_argument("--ppl-tokens", type=int, default=1024)
+    p.add_argument("--kl-tokens", type=int, default=256,
+                   help="tokens decoded one at a time per mode for KL / top-1 vs fp32 (0: skip)")
     p.add_argument("--skip-peers", action="store_true", help="ours only")
     p.add_argument("--quick", action="store_true", help="short smoke run (~1-2 min)")
     p.add_argument("--out", default=str(RESULTS / "engine.md"))
     args = p.parse_args(argv)
     if args.quick:
         args.modes, args.quality_modes, args.concurrency = ["int4"], [], [1, 8]
-        args.new_tokens, args.repeats, args.ppl_tokens = 16, 1, 128
+        args.new_tokens, args.repeats, args.ppl_tokens, args.kl_tokens = 16, 1, 128, 32
     return args
 
 
@@ -116,16 +118,21 @@ def main(argv: list[str] | None = None) -> None:
     started, env = time.time(), environment()
     gguf = resolve_model().gguf_path
     mode_results = []
+    ref = None
+    if args.kl_tokens and args.ppl_tokens:
+        print("[bench-engine] fp32 reference logits ...", flush=True)
+        ref = ours.reference(gguf, min(args.kl_tokens, args.ppl_tokens))
     for mode in args.modes:
         print(f"[bench-engine] ours {mode} ...", flush=True)
         mode_results.append(ours.run_mode(
             gguf, mode, device=args.device, threads=args.threads, concurrency=args.concurrency,
             prompt_len=args.prompt_len, new_tokens=args.new_tokens, ppl_tokens=args.ppl_tokens,
-            repeats=args.repeats))
+            repeats=args.repeats, ref=ref))
     for mode in args.quality_modes:
         print(f"[bench-engine] ours {mode} (perplexity and bytes only) ...", flush=True)
         mode_results.append(ours.quality_only(gguf, mode, device=args.device,
-                                              threads=args.threads, ppl_tokens=args.ppl_tokens))
+                                              threads=args.threads, ppl_tokens=args.ppl_tokens,
+                                              ref=ref))
     print("[bench-engine] peers ...", flush=True)
     peer_results = [] if args.skip_peers else _run_peers(args, gguf)
     out = Path(args.out)

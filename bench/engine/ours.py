@@ -14,7 +14,8 @@ import torch
 
 from llmmesh.tokenizer import Tokenizer
 from workers.engine import EngineConfig, EngineCore, SamplingParams
-from workers.model.perplexity import evaluation_text, perplexity
+from workers.model.perplexity import (decode_logprobs, divergence, evaluation_text, perplexity,
+                                      reference_logprobs)
 from workers.model.quantize import weight_bytes
 
 
@@ -27,6 +28,8 @@ class ModeResult:
     ttft_uncached_s: float | None = None
     ttft_cached_s: float | None = None
     perplexity: float | None = None
+    kl_vs_fp32: float | None = None        # decode path vs the fp32 reference, nats per token
+    top1_vs_fp32: float | None = None      # share of positions with the reference's top token
     weight_bytes: dict[str, int] = field(default_factory=dict)
 
 
@@ -104,11 +107,27 @@ def measure_ttft(core: EngineCore, cached_len: int, suffix_len: int, seed: int
     return uncached, cached
 
 
-def measure_quality(core: EngineCore, gguf_path: str, num_tokens: int) -> tuple[float, dict]:
+def quality_ids(gguf_path: str, num_tokens: int) -> list[int]:
+    return Tokenizer.from_gguf(gguf_path).encode(evaluation_text())[:num_tokens + 1]
+
+
+def reference(gguf_path: str, num_tokens: int) -> torch.Tensor:
+    """The fp32 reference's next-token log-probabilities on the first `num_tokens` tokens of
+    the evaluation text (the dequantized GGUF, the reference causal path)."""
+    from workers.model.loader import load_model
+    model, _ = load_model(gguf_path, quantization="fp32")
+    return reference_logprobs(model, quality_ids(gguf_path, num_tokens)[:num_tokens])
+
+
+def measure_quality(result: ModeResult, core: EngineCore, gguf_path: str, num_tokens: int,
+                    ref: torch.Tensor | None) -> None:
     model = core.runner.model
-    ids = Tokenizer.from_gguf(gguf_path).encode(evaluation_text())[:num_tokens + 1]
+    ids = quality_ids(gguf_path, num_tokens)
     # The serving path: paged KV cache, the fused decoder stack and its prefill GEMMs.
-    return perplexity(model, ids, paged=True), weight_bytes(model)
+    result.perplexity, result.weight_bytes = perplexity(model, ids, paged=True), weight_bytes(model)
+    if ref is not None:   # and the decode path, where every projection runs at batch 1
+        result.kl_vs_fp32, result.top1_vs_fp32 = divergence(
+            ref, decode_logprobs(model, ids[:ref.shape[0]]))
 
 
 def warm_up(core: EngineCore) -> None:
@@ -117,18 +136,19 @@ def warm_up(core: EngineCore) -> None:
 
 
 def quality_only(gguf_path: str, mode: str, *, device: str, threads: int,
-                 ppl_tokens: int) -> ModeResult:
+                 ppl_tokens: int, ref: torch.Tensor | None = None) -> ModeResult:
     """Perplexity and weight bytes without throughput runs (bf16 on a CPU without bf16 units
     is 2-7x slower than fp32 here and would double the benchmark's length)."""
     core = build_engine(gguf_path, mode, device, threads, 1)
     result = ModeResult(mode)
     with torch.inference_mode():
-        result.perplexity, result.weight_bytes = measure_quality(core, gguf_path, ppl_tokens)
+        measure_quality(result, core, gguf_path, ppl_tokens, ref)
     return result
 
 
 def run_mode(gguf_path: str, mode: str, *, device: str, threads: int, concurrency: list[int],
-             prompt_len: int, new_tokens: int, ppl_tokens: int, repeats: int) -> ModeResult:
+             prompt_len: int, new_tokens: int, ppl_tokens: int, repeats: int,
+             ref: torch.Tensor | None = None) -> ModeResult:
     core = build_engine(gguf_path, mode, device, threads, max(concurrency))
     result = ModeResult(mode)
     with torch.inference_mode():
@@ -144,7 +164,7 @@ def run_mode(gguf_path: str, mode: str, *, device: str, threads: int, concurrenc
         result.ttft_uncached_s = min(t[0] for t in ttfts)
         result.ttft_cached_s = min(t[1] for t in ttfts)
         if ppl_tokens:
-            result.perplexity, result.weight_bytes = measure_quality(core, gguf_path, ppl_tokens)
+            measure_quality(result, core, gguf_path, ppl_tokens, ref)
         else:
             result.weight_bytes = weight_bytes(core.runner.model)
     return result

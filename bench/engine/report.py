@@ -76,8 +76,9 @@ def quoted_table(modes: list[ModeResult], concurrency: list[int]) -> list[str]:
 def quality_table(modes: list[ModeResult]) -> list[str]:
     reference = next((m.perplexity for m in modes if m.mode == "fp32"), None)
     lines = ["| mode | weights streamed per decode step (MiB) | resident weights (MiB) | "
-             "perplexity | vs fp32 | TTFT uncached (ms) | TTFT 512 cached (ms) | cached/uncached |",
-             "|---|---|---|---|---|---|---|---|"]
+             "perplexity | vs fp32 | KL vs fp32, decode path (nats/token) | top-1 = fp32's | "
+             "TTFT uncached (ms) | TTFT 512 cached (ms) | cached/uncached |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for m in modes:
         wb = m.weight_bytes
         delta = ("—" if not reference or m.perplexity is None
@@ -89,7 +90,9 @@ def quality_table(modes: list[ModeResult]) -> list[str]:
         lines.append(
             f"| {m.mode} | {wb.get('streamed_per_step', 0) / 2**20:,.1f} | "
             f"{wb.get('total', 0) / 2**20:,.1f} | "
-            f"{_fmt(m.perplexity, 3)} | {delta} | {_fmt(uncached, 1)} | {_fmt(cached, 1)} | "
+            f"{_fmt(m.perplexity, 3)} | {delta} | {_fmt(m.kl_vs_fp32, 4)} | "
+            f"{'—' if m.top1_vs_fp32 is None else f'{100 * m.top1_vs_fp32:.1f}%'} | "
+            f"{_fmt(uncached, 1)} | {_fmt(cached, 1)} | "
             f"{ttft_ratio} |")
     return lines
 
@@ -132,9 +135,12 @@ def write_report(path: Path, header: list[str], modes: list[ModeResult],
               ""]
     lines += quoted_table(modes, concurrency)
     lines += ["", "## Weights, perplexity, time to first token", "",
-              "Perplexity through the serving path (paged KV cache, the fused decoder stack and, "
-              "where the CPU has AMX/AVX-512 bf16, its bf16 prefill GEMMs); resident weights "
-              "include those bf16 prefill copies.", ""]
+              "Perplexity through the serving path's prompt processing (paged KV cache, the fused "
+              "decoder stack and, where the CPU has AMX/AVX-512 bf16, its bf16 prefill GEMMs). "
+              "KL and top-1 compare each mode's next-token distributions with the fp32 "
+              "reference's on the same text decoded one token per step, the path every "
+              "generated token takes (batch-1 projections, activations quantized to int8 by "
+              "the CPU kernels). Resident weights include the bf16 prefill copies.", ""]
     lines += quality_table(modes)
     lines += ["", "## Targets (issue 3)", ""] + verdicts
     notes = [f"- {p.name}: {p.note}" for p in peers if p.note]

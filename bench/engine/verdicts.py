@@ -1,16 +1,19 @@
-"""Issue 3's targets checked against one run (first mode listed = the device default)."""
+"""Issue 3's targets checked against one run (first mode listed: the device default)."""
 from __future__ import annotations
 
 from bench.engine.ours import ModeResult
 from bench.engine.peers import PeerResult
 
 
-def _check(label: str, value: float | None, target: float, *, at_most: bool = False) -> str:
+def _check(label: str, value: float | None, target: float, *, at_most: bool = False,
+           percent: bool = False) -> str:
     if value is None:
         return f"- {label}: not measured"
     ok = value <= target if at_most else value >= target
     sign = "≤" if at_most else "≥"
-    return f"- {'PASS' if ok else 'MISS'} {label}: {value:.2f} (target {sign} {target})"
+    shown, bound = ((f"{100 * value:+.2f}%", f"{100 * target:g}%") if percent
+                    else (f"{value:.2f}", f"{target}"))
+    return f"- {'PASS' if ok else 'MISS'} {label}: {shown} (target {sign} {bound})"
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -49,6 +52,6 @@ def verdicts(modes: list[ModeResult], peers: list[PeerResult], concurrency: list
     for r in modes:
         bound = {"int8": 0.01, "int4": 0.05}.get(r.mode)
         if bound is not None and r.perplexity and reference:
-            lines.append(_check(f"perplexity {r.mode} / fp32 - 1", r.perplexity / reference - 1,
-                                bound, at_most=True))
+            lines.append(_check(f"perplexity {r.mode} vs fp32", r.perplexity / reference - 1,
+                                bound, at_most=True, percent=True))
     return lines

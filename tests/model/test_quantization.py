@@ -11,8 +11,10 @@ import torch
 from llmmesh.models import resolve_model
 from llmmesh.tokenizer import Tokenizer
 from workers.model import linear, load_model
+from workers.model.kernels import cpu_kernels
 from workers.model.linear import QuantizedLinear
-from workers.model.perplexity import evaluation_text, perplexity
+from workers.model.perplexity import (decode_logprobs, divergence, evaluation_text, perplexity,
+                                      reference_logprobs)
 from workers.model.quantize import resolve_quantization, weight_bytes
 
 pytestmark = pytest.mark.model
@@ -45,6 +47,36 @@ def reference_ppl(gguf_path, token_ids) -> float:
     ppl = perplexity(model, token_ids)
     assert 5 < ppl < 40    # a sane model on English prose, so the relative bounds mean something
     return ppl
+
+
+KL_TOKENS = 96
+
+
+@pytest.fixture(scope="module")
+def reference_fp32(gguf_path, token_ids) -> torch.Tensor:
+    model, _ = load_model(gguf_path, quantization="fp32")
+    return reference_logprobs(model, token_ids[:KL_TOKENS])
+
+
+def test_decode_path_divergence_measures_what_it_should(gguf_path, token_ids, reference_fp32):
+    model, _ = load_model(gguf_path, quantization="fp32")
+    # The same weights decoded one token per step: only fp32 summation order differs.
+    kl, top1 = divergence(reference_fp32, decode_logprobs(model, token_ids[:KL_TOKENS]))
+    assert kl < 1e-5 and top1 == 1.0, (kl, top1)
+    # A damaged model (one layer's MLP output tripled) must read as far away: measured 0.53.
+    model.layers[3].mlp.down_proj.weight.data.mul_(3)
+    kl, top1 = divergence(reference_fp32, decode_logprobs(model, token_ids[:KL_TOKENS]))
+    assert kl > 0.1 and top1 < 0.8, (kl, top1)
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_quantized_decode_path_stays_close_to_fp32(gguf_path, token_ids, reference_fp32, mode):
+    """The numbers behind the CPU default (workers.model.quantize): on the decode path, int4
+    measured KL 0.0050 and int8 0.0083 nats/token over 512 tokens, top-1 95.3% for both (over
+    these 96 tokens: 0.0059 / 0.0090, 92.7% / 90.6%)."""
+    model, _ = load_model(gguf_path, quantization=mode)
+    kl, top1 = divergence(reference_fp32, decode_logprobs(model, token_ids[:KL_TOKENS]))
+    assert kl < 0.02 and top1 > 0.85, (mode, kl, top1)
 
 
 @pytest.mark.parametrize("mode,bound", [("int8", 0.01), ("int4", 0.05)])
@@ -99,7 +131,8 @@ def test_mode_resolution():
     assert resolve_quantization(None, "cpu", torch.float32) == "fp32"
     assert resolve_quantization("none", "cpu", torch.bfloat16) == "bf16"
     assert resolve_quantization("auto", "cuda", torch.float32) == "bf16"
-    assert resolve_quantization("auto", "cpu", torch.float32) in ("int8", "fp32")
+    expected = "int4" if cpu_kernels() is not None else "fp32"
+    assert resolve_quantization("auto", "cpu", torch.float32) == expected
     with pytest.raises(ValueError, match="quantization"):
         resolve_quantization("int3", "cpu", torch.float32)
 

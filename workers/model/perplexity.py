@@ -1,4 +1,5 @@
-"""Perplexity on a fixed English text, to compare weight modes (the same text every run).
+"""Quality of a weight mode on a fixed English text: perplexity, and how far its next-token
+distributions sit from the fp32 reference's (KL divergence, top-1 agreement) on the decode path.
 
 The text is the "Execution model" chapter of the Python 3.11 language reference (from the
 standard library's pydoc_data; PSF documentation licence), shipped beside this file so the score
@@ -59,3 +60,49 @@ def perplexity(model: LlamaForCausalLM, token_ids: list[int], window: int = 512,
         total_nll -= logprobs.gather(1, targets[:, None]).sum().item()
         count += len(targets)
     return math.exp(total_nll / count)
+
+
+def _decode_step(position: int, block_table: torch.Tensor, device) -> AttentionMetadata:
+    t = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+    return AttentionMetadata(
+        slot_mapping=t([position]), query_start_loc=t([0, 1]), seq_lens=t([position + 1]),
+        block_tables=block_table, max_seq_len=position + 1, max_query_len=1)
+
+
+@torch.inference_mode()
+def reference_logprobs(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:
+    """[T, vocab] log-probabilities of the next token after each of `token_ids`, from the
+    model's reference causal path in one pass (no KV cache)."""
+    device = model.embed_tokens.device
+    hidden = model(torch.tensor(token_ids, device=device),
+                   torch.arange(len(token_ids), device=device))
+    return torch.log_softmax(model.compute_logits(hidden).float(), dim=-1).cpu()
+
+
+@torch.inference_mode()
+def decode_logprobs(model: LlamaForCausalLM, token_ids: list[int], block_size: int = 16
+                    ) -> torch.Tensor:
+    """The same [T, vocab] log-probabilities, computed the way a worker decodes: one token per
+    step through the paged KV cache (teacher-forced), so every projection runs at batch 1 —
+    where the CPU kernels quantize activations to int8 and prefill's bf16 path never applies."""
+    device = model.embed_tokens.device
+    num_blocks = -(-len(token_ids) // block_size)
+    caches = allocate_kv_caches(model.config, num_blocks, block_size, device,
+                                model.embed_tokens.dtype)
+    table = torch.arange(num_blocks, device=device)[None, :]
+    rows = []
+    for position, token in enumerate(token_ids):
+        hidden = model(torch.tensor([token], device=device),
+                       torch.tensor([position], device=device), caches,
+                       _decode_step(position, table, device))
+        rows.append(model.compute_logits(hidden).float())
+    return torch.log_softmax(torch.cat(rows), dim=-1).cpu()
+
+
+def divergence(reference: torch.Tensor, logprobs: torch.Tensor) -> tuple[float, float]:
+    """(mean KL(reference || logprobs) in nats per token, share of positions whose most likely
+    token is the reference's): llama.cpp's `perplexity --kl-divergence` measures, which see a
+    mode's damage where perplexity on one text can hide it."""
+    kl = (reference.exp() * (reference - logprobs)).sum(dim=-1)
+    top1 = (reference.argmax(dim=-1) == logprobs.argmax(dim=-1)).float()
+    return kl.mean().item(), top1.mean().item()

@@ -1,10 +1,8 @@
 """Turns a loaded fp32 model into a weight mode, and picks the default mode per device.
 
-Default (measured in bench/results/engine.md): int8 on a CPU with the AVX2 kernels — a quarter
-of fp32's bytes, 3-4x fp32's decode speed, perplexity +0.2% — rather than int4, which reads
-~30% fewer bytes and is faster at small batches but moved a reference chat answer in the
-end-to-end tests (+0.6% perplexity). bf16 on CUDA, where int8/int4 would be dequantized per
-call (no torchao here) and bf16 tensor cores are the fast path.
+Default (measured in bench/results/engine.md): int4 on a CPU with our kernels, bf16 on CUDA
+(where int8/int4 would be dequantized per call — no torchao here — and bf16 tensor cores are
+the fast path). See default_quantization for the CPU evidence.
 """
 from __future__ import annotations
 
@@ -19,16 +17,19 @@ _PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "m
 
 def default_quantization(device: torch.device | str, dtype: torch.dtype) -> str:
     kind = torch.device(device).type
-    # int8, not int4, by default: int4 is faster at every batch size (bench/results/engine.md)
-    # and its perplexity on the shipped text is the same, but its greedy chat answers are worse:
-    # "What is the capital of France?" -> "L'Étoile, la Marseillaise, ..." and the wrong author
-    # for Romeo and Juliet (re-checked 2026-12-01); int8 and the fp32 reference answer both
-    # correctly. llama.cpp's llama-server on the same Q4_1 GGUF gives the same "L'Étoile" answer
-    # word for word, and the same int4 weights with fp32 activations (LLMMESH_NO_KERNELS=1)
-    # answer "Paris": it is the kernels' int8-quantized activations (llama.cpp's Q8_1 alike) on
-    # 4-bit weights that tip a near-tie. An int4 kernel with fp32 activations would keep both.
+    # int4 on a CPU with the kernels: it streams 91 MiB per decode step against int8's 129, is
+    # the faster mode at every batch size on every CPU measured (AVX2 Zen 3, AVX-512 Zen 4,
+    # AMX Xeon), and is the closer one to the fp32 reference. The GGUF is Q4_1, so int4
+    # repacks its 32-blocks almost losslessly, while int8 re-rounds them per channel. On the
+    # decode path (512 tokens of the shipped text, one per step, 2026-12-01, AVX2): KL from fp32
+    # 0.0050 nats/token for int4 against 0.0083 for int8, the same top-1 token at 95.3% of
+    # positions for both, greedy chat answers identical to fp32's for 11 of 16 questions against
+    # 8. int8 was the default until then because int4 answers "What is the capital of France?"
+    # with "L'Étoile, ...": a first-token near-tie (fp32 puts 15.2% on "The" and 14.0% on "L"),
+    # which the kernels' int8 activations tip one way under int4 weights and the other under
+    # int8 weights; llama.cpp serving the same GGUF answers "L'Étoile" too.
     if kind == "cpu" and dtype == torch.float32 and cpu_kernels() is not None:
-        return "int8"
+        return "int4"
     if kind == "cuda":
         return "bf16"
     return "fp32" if dtype == torch.float32 else "bf16"
