@@ -26,7 +26,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--otlp-endpoint", default=env("LLMMESH_OTLP_ENDPOINT"))
     p.add_argument("--tenants", default=env("LLMMESH_TENANTS_FILE", "config/tenants.toml"))
     p.add_argument("--model", default=env("LLMMESH_MODEL", DEFAULT_MODEL))
-    p.add_argument("--quantization", default=env("LLMMESH_QUANTIZATION", "fp32"))
+    # Only the label ListModels shows; workers read the same variable and resolve "auto" per
+    # device (int4 on a CPU, bf16 on CUDA), so one setting keeps both sides in agreement.
+    p.add_argument("--quantization", default=env("LLMMESH_QUANTIZATION", "auto"))
     p.add_argument("--block-size", type=int, default=int(env("LLMMESH_BLOCK_SIZE", "16")))
     return p.parse_args()
 

@@ -45,7 +45,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="best of N per cell")
     p.add_argument("--ppl-tokens", type=int, default=1024)
     p.add_argument("--kl-tokens", type=int, default=256,
-                   help="tokens decoded one at a time per mode for KL / top-1 vs fp32 (0: skip)")
+                   help="tokens decoded one at a time per mode for KL / top-1 vs fp32 (0, or "
+                        "--ppl-tokens 0: skip)")
     p.add_argument("--skip-peers", action="store_true", help="ours only")
     p.add_argument("--quick", action="store_true", help="short smoke run (~1-2 min)")
     p.add_argument("--out", default=str(RESULTS / "engine.md"))

@@ -83,8 +83,9 @@ def reference_logprobs(model: LlamaForCausalLM, token_ids: list[int]) -> torch.T
 def decode_logprobs(model: LlamaForCausalLM, token_ids: list[int], block_size: int = 16
                     ) -> torch.Tensor:
     """The same [T, vocab] log-probabilities, computed the way a worker decodes: one token per
-    step through the paged KV cache (teacher-forced), so every projection runs at batch 1 —
-    where the CPU kernels quantize activations to int8 and prefill's bf16 path never applies."""
+    step through the paged KV cache (teacher-forced), so every projection runs at batch 1; for
+    int8/int4 on a CPU that means the kernels' int8-quantized activations, never prefill's bf16
+    path."""
     device = model.embed_tokens.device
     num_blocks = -(-len(token_ids) // block_size)
     caches = allocate_kv_caches(model.config, num_blocks, block_size, device,

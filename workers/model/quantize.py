@@ -17,9 +17,10 @@ _PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "m
 
 def default_quantization(device: torch.device | str, dtype: torch.dtype) -> str:
     kind = torch.device(device).type
-    # int4 on a CPU with the kernels: it streams 91 MiB per decode step against int8's 129, is
-    # the faster mode at every batch size on every CPU measured (AVX2 Zen 3, AVX-512 Zen 4,
-    # AMX Xeon), and is the closer one to the fp32 reference. The GGUF is Q4_1, so int4
+    # int4 on a CPU with the kernels: it streams 91 MiB per decode step against int8's 129,
+    # decodes faster at batch 1 and 32 on every CPU measured (AVX2 Zen 3, AVX-512 Zen 4, AMX
+    # Xeon; at batch 8 and on prompts the two trade places between runs), and is the closer
+    # one to the fp32 reference. The GGUF is Q4_1, so int4
     # repacks its 32-blocks almost losslessly, while int8 re-rounds them per channel. On the
     # decode path (512 tokens of the shipped text, one per step, 2026-12-01, AVX2): KL from fp32
     # 0.0050 nats/token for int4 against 0.0083 for int8, the same top-1 token at 95.3% of
