@@ -42,9 +42,14 @@ def token_ids(gguf_path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference_ppl(gguf_path, token_ids) -> float:
+def fp32_model(gguf_path):
     model, _ = load_model(gguf_path, quantization="fp32")
-    ppl = perplexity(model, token_ids)
+    return model
+
+
+@pytest.fixture(scope="module")
+def reference_ppl(fp32_model, token_ids) -> float:
+    ppl = perplexity(fp32_model, token_ids)
     assert 5 < ppl < 40    # a sane model on English prose, so the relative bounds mean something
     return ppl
 
@@ -53,13 +58,12 @@ KL_TOKENS = 96
 
 
 @pytest.fixture(scope="module")
-def reference_fp32(gguf_path, token_ids) -> torch.Tensor:
-    model, _ = load_model(gguf_path, quantization="fp32")
-    return reference_logprobs(model, token_ids[:KL_TOKENS])
+def reference_fp32(fp32_model, token_ids) -> torch.Tensor:
+    return reference_logprobs(fp32_model, token_ids[:KL_TOKENS])
 
 
 def test_decode_path_divergence_measures_what_it_should(gguf_path, token_ids, reference_fp32):
-    model, _ = load_model(gguf_path, quantization="fp32")
+    model, _ = load_model(gguf_path, quantization="fp32")   # its own copy: damaged below
     # The same weights decoded one token per step: only fp32 summation order differs.
     kl, top1 = divergence(reference_fp32, decode_logprobs(model, token_ids[:KL_TOKENS]))
     assert kl < 1e-5 and top1 == 1.0, (kl, top1)

@@ -22,13 +22,14 @@ def evaluation_text() -> str:
     return TEXT_PATH.read_text(encoding="utf-8")
 
 
-def _one_sequence(length: int, block_size: int, device) -> AttentionMetadata:
+def _one_sequence(start: int, end: int, block_size: int, device) -> AttentionMetadata:
+    """Rows [start, end) of one sequence whose KV cache fills blocks 0, 1, 2, ... in order."""
     t = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
-    num_blocks = -(-length // block_size)
+    num_blocks = -(-end // block_size)
     return AttentionMetadata(
-        slot_mapping=torch.arange(length, device=device), query_start_loc=t([0, length]),
-        seq_lens=t([length]), block_tables=t([list(range(num_blocks))]), max_seq_len=length,
-        max_query_len=length)
+        slot_mapping=torch.arange(start, end, device=device), query_start_loc=t([0, end - start]),
+        seq_lens=t([end]), block_tables=t([list(range(num_blocks))]), max_seq_len=end,
+        max_query_len=end - start)
 
 
 @torch.inference_mode()
@@ -52,7 +53,7 @@ def perplexity(model: LlamaForCausalLM, token_ids: list[int], window: int = 512,
         ids = torch.tensor(chunk[:-1], device=device)
         positions = torch.arange(len(ids), device=device)
         if paged:
-            hidden = model(ids, positions, caches, _one_sequence(len(ids), block_size, device))
+            hidden = model(ids, positions, caches, _one_sequence(0, len(ids), block_size, device))
         else:
             hidden = model(ids, positions)
         logprobs = torch.log_softmax(model.compute_logits(hidden), dim=-1)
@@ -60,13 +61,6 @@ def perplexity(model: LlamaForCausalLM, token_ids: list[int], window: int = 512,
         total_nll -= logprobs.gather(1, targets[:, None]).sum().item()
         count += len(targets)
     return math.exp(total_nll / count)
-
-
-def _decode_step(position: int, block_table: torch.Tensor, device) -> AttentionMetadata:
-    t = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
-    return AttentionMetadata(
-        slot_mapping=t([position]), query_start_loc=t([0, 1]), seq_lens=t([position + 1]),
-        block_tables=block_table, max_seq_len=position + 1, max_query_len=1)
 
 
 @torch.inference_mode()
@@ -90,12 +84,11 @@ def decode_logprobs(model: LlamaForCausalLM, token_ids: list[int], block_size: i
     num_blocks = -(-len(token_ids) // block_size)
     caches = allocate_kv_caches(model.config, num_blocks, block_size, device,
                                 model.embed_tokens.dtype)
-    table = torch.arange(num_blocks, device=device)[None, :]
     rows = []
     for position, token in enumerate(token_ids):
         hidden = model(torch.tensor([token], device=device),
                        torch.tensor([position], device=device), caches,
-                       _decode_step(position, table, device))
+                       _one_sequence(position, position + 1, block_size, device))
         rows.append(model.compute_logits(hidden).float())
     return torch.log_softmax(torch.cat(rows), dim=-1).cpu()
 
