@@ -28,6 +28,7 @@ DEVICE_TYPE = "llmmesh.device.type"
 WORKER_ID = "llmmesh.worker.id"
 PREFILL_DEVICE_S = "llmmesh.prefill.device_seconds"
 DECODE_DEVICE_S = "llmmesh.decode.device_seconds"
+QUEUE_S = "llmmesh.queue.seconds"  # enqueue to the request's first engine step
 QUANTIZATION = "llmmesh.quantization"
 USAGE_FINAL = "llmmesh.usage.final"  # set on exactly one span per request: the billing record
 

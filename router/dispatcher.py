@@ -67,7 +67,11 @@ class Dispatcher:
         self.admission = Admission(redis)
         self.jobs = JobResults(redis)
         self.sched: ClassScheduler[Held] = ClassScheduler(config.class_policy, config.quantum_tokens)
-        self.held: dict[str, Held] = {}          # entry id -> entry, buffered or running
+        # (class, entry id) -> entry, buffered or running. The class is part of the key because
+        # the two queues are separate streams whose ids are each "<ms>-<seq>": an interactive and
+        # a batch entry added in the same millisecond share an id, and keying by id alone dropped
+        # the second one until a takeover 15 s later (the stall of issue 13).
+        self.held: dict[tuple[str, str], Held] = {}
         self.running: dict[str, Held] = {}       # request id -> entry being served
         self._slot_freed = asyncio.Event()
         self._batch_inflight = 0
@@ -127,11 +131,11 @@ class Dispatcher:
                 self._hold(cls, entry_id, fields, fresh=True)
 
     def _hold(self, cls: str, entry_id: str, fields: dict, fresh: bool = False) -> None:
-        if entry_id in self.held:
+        if (cls, entry_id) in self.held:
             return
         entry = queue.QueueEntry.decode(fields)
         held = Held(cls, entry_id, RequestProgress(entry), fresh)
-        self.held[entry_id] = held
+        self.held[cls, entry_id] = held
         cost = len(entry.prompt_token_ids) + int(entry.sampling.get("max_tokens", 0))
         self.sched.push(cls, entry.tenant_id, held, cost)
 
@@ -153,7 +157,7 @@ class Dispatcher:
 
         def done(_):
             self.running.pop(rid, None)
-            self.held.pop(held.entry_id, None)
+            self.held.pop((held.request_class, held.entry_id), None)
             if held.request_class == "batch":
                 self._batch_inflight -= 1
             self._slot_freed.set()
@@ -309,7 +313,7 @@ class Dispatcher:
                 stream, queue.ROUTER_GROUP, self.config.consumer, self.config.claim_idle_ms,
                 start_id="0-0", count=self.config.prefetch)
             for entry_id, fields in claimed:
-                if fields and entry_id not in self.held:
+                if fields and (cls, entry_id) not in self.held:
                     log.warning("took over %s entry %s from a stopped router", cls, entry_id)
                     self._hold(cls, entry_id, fields)
         self._dispatch_ready()

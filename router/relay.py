@@ -118,6 +118,13 @@ def worker_request(p: RequestProgress) -> worker_pb2.WorkerGenerateRequest:
         result_stream=queue.result_stream(e.request_id))
 
 
+def queue_wait_s(entry: queue.QueueEntry, sent_unix_ns: int) -> float:
+    """Seconds from the gateway's enqueue to the router sending the first attempt."""
+    if not entry.enqueued_unix_ns:
+        return 0.0
+    return max(0, sent_unix_ns - entry.enqueued_unix_ns) / 1e9
+
+
 def _timeout_s(entry: queue.QueueEntry) -> float | None:
     if not entry.deadline_unix_ns:
         return None
@@ -131,6 +138,7 @@ async def run_attempt(p: RequestProgress, worker: WorkerHandle, redis: aioredis.
     (one hop less per token); tokens it sends in the gRPC stream instead are appended here.
     """
     metadata = tuple(telemetry.inject_traceparent().items())
+    sent_unix_ns = time.time_ns()
     call = worker.stub.Generate(worker_request(p), timeout=_timeout_s(p.entry), metadata=metadata)
     stream = queue.result_stream(p.entry.request_id)
     first = p.attempts == 0
@@ -148,7 +156,9 @@ async def run_attempt(p: RequestProgress, worker: WorkerHandle, redis: aioredis.
                 p.decode_device_s += u.decode_device_seconds
                 if first:
                     p.cached_prompt_tokens = min(u.cached_prompt_tokens, len(p.entry.prompt_token_ids))
-                    p.queue_s = u.queue_seconds
+                    # From enqueue, not from the worker's arrival: a wait in the queue or in
+                    # the router must show in the client's usage and in the bill.
+                    p.queue_s = queue_wait_s(p.entry, sent_unix_ns) + u.queue_seconds
                 # Ended: a later sync must not count the last chunk's end marker again.
                 p.end_reason = _FINISH.get(msg.final.finish_reason, "stop")
                 return p.end_reason
@@ -185,5 +195,6 @@ def record_usage(span: trace.Span, p: RequestProgress, finish_reason: str, devic
         telemetry.INPUT_TOKENS: u["prompt_tokens"], telemetry.OUTPUT_TOKENS: u["completion_tokens"],
         telemetry.CACHE_READ_TOKENS: u["cached_prompt_tokens"],
         telemetry.PREFILL_DEVICE_S: u["prefill_device_s"],
-        telemetry.DECODE_DEVICE_S: u["decode_device_s"], telemetry.DEVICE_TYPE: device_type,
+        telemetry.DECODE_DEVICE_S: u["decode_device_s"], telemetry.QUEUE_S: u["queue_s"],
+        telemetry.DEVICE_TYPE: device_type,
         telemetry.WORKER_ID: ",".join(p.worker_ids), telemetry.FINISH_REASONS: [finish_reason]})

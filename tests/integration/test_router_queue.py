@@ -1,0 +1,107 @@
+"""The dispatcher's reading of the two class queues, driven directly against a real redis-server
+with an in-test aio WorkerService (no model): entries of both classes that share a stream id are
+both held and both run at once (no takeover), and a request's queue time counts from enqueue."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import redis.asyncio as aioredis
+from opentelemetry import trace
+
+from llmmesh import queue
+from llmmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from router.dispatcher import Dispatcher, DispatcherConfig
+from router.policy import make_policy
+from router.registry import WorkerRegistry
+from router.relay import RequestProgress, run_attempt
+
+WORKER_QUEUE_S = 0.25
+
+
+class FinalOnlyWorker(worker_pb2_grpc.WorkerServiceServicer):
+    """Answers every Generate with one final message that says it waited WORKER_QUEUE_S."""
+
+    def __init__(self):
+        self.request_ids: list[str] = []
+
+    async def Generate(self, request, context):
+        self.request_ids.append(request.request_id)
+        yield worker_pb2.WorkerGenerateResponse(final=worker_pb2.WorkerFinal(
+            token_ids=[7, 8], finish_reason=common_pb2.FINISH_REASON_LENGTH,
+            usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids),
+                                   completion_tokens=2, queue_seconds=WORKER_QUEUE_S)))
+
+    async def GetLoad(self, request, context):
+        return worker_pb2.GetLoadResponse(models=[request.model or "m"], device_type="cpu")
+
+    async def Abort(self, request, context):
+        return worker_pb2.AbortResponse(aborted=False)
+
+
+def _entry(request_id: str, cls: str, enqueued_unix_ns: int = 0) -> queue.QueueEntry:
+    return queue.QueueEntry(
+        request_id=request_id, tenant_id="acme", request_class=cls, model="m",
+        prompt_token_ids=[1, 2, 3], cache_salt="scope:acme", block_hashes=[],
+        sampling={"max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop": [],
+                  "logprobs": False, "seed": None},
+        enqueued_unix_ns=enqueued_unix_ns)
+
+
+async def _with_worker(redis_url: str, body):
+    worker = FinalOnlyWorker()
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    registry = WorkerRegistry(redis)
+    registry._add({"worker_id": "w1", "address": f"127.0.0.1:{port}", "max_inflight": 8})
+    try:
+        return await body(redis, registry, worker)
+    finally:
+        await registry.close()
+        await redis.aclose()
+        await server.stop(0)
+
+
+def test_interactive_and_batch_entries_with_the_same_stream_id_both_run_at_once(redis_server):
+    async def body(redis, registry, worker):
+        dispatcher = Dispatcher(redis, registry, make_policy("least-load"),
+                                DispatcherConfig(consumer="r1"), trace.get_tracer("test"))
+        await dispatcher.ensure_groups()
+        # Both streams' ids are "<ms>-<seq>": two entries added in one millisecond share one.
+        for cls in queue.CLASSES:
+            await redis.xadd(queue.queue_stream(cls), _entry(f"req-{cls}", cls).encode(), id="5-0")
+        run = asyncio.create_task(dispatcher.run())
+        try:
+            deadline = time.monotonic() + 5
+            while len(worker.request_ids) < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            # Well inside the takeover's 15 s: the router never loses sight of either entry.
+            assert sorted(worker.request_ids) == ["req-batch", "req-interactive"]
+            while dispatcher.held and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert not dispatcher.held
+            for cls in queue.CLASSES:
+                pending = await redis.xpending(queue.queue_stream(cls), queue.ROUTER_GROUP)
+                assert pending["pending"] == 0, cls
+                events = await redis.xrange(queue.result_stream(f"req-{cls}"))
+                assert queue.decode_event(events[-1][1])["kind"] == "final"
+        finally:
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+    asyncio.run(_with_worker(redis_server.url, body))
+
+
+@pytest.mark.parametrize("waited_s", [0.0, 2.0])
+def test_queue_time_counts_from_enqueue_not_from_the_worker(redis_server, waited_s):
+    async def body(redis, registry, worker):
+        enqueued = time.time_ns() - int(waited_s * 1e9)
+        p = RequestProgress(_entry("req-q", "interactive", enqueued_unix_ns=enqueued))
+        assert await run_attempt(p, registry.workers["w1"], redis) == "length"
+        return p.usage()["queue_s"]
+    queue_s = asyncio.run(_with_worker(redis_server.url, body))
+    assert waited_s + WORKER_QUEUE_S <= queue_s < waited_s + WORKER_QUEUE_S + 0.5
