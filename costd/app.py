@@ -17,6 +17,8 @@ from costd.usage import UsageProcessor
 from costd.whatif.curve import load_curves
 from costd.whatif.planner import WhatIfPlanner
 from llmmesh import server
+from llmmesh.identity import Role
+from llmmesh.mtls import MeshIdentity
 from llmmesh.v1 import cost_pb2, cost_pb2_grpc
 
 log = logging.getLogger("costd")
@@ -53,6 +55,7 @@ def build_servicers(pipeline: CostPipeline, planner: WhatIfPlanner,
 
 async def serve(config: CostdConfig) -> None:
     """Runs until SIGTERM/SIGINT; the ledger closes only after in-flight exports committed."""
+    identity = MeshIdentity.from_env(Role.COSTD, config.tls_dir)
     # Read before the ledger opens: a bad price book or curve fails start-up, not a bill.
     book = PriceBook.load(config.prices_path)
     planner = WhatIfPlanner(book, load_curves(config.curves_dir))
@@ -60,7 +63,7 @@ async def serve(config: CostdConfig) -> None:
     await pipeline.start()
     try:
         spec = server.ServiceSpec(servicers=build_servicers(pipeline, planner, config),
-                                  service_names=SERVICE_NAMES)
+                                  service_names=SERVICE_NAMES, identity=identity)
         log.info("ledger %s, prices %s (%s), %d curves from %s", config.ledger.display,
                  config.prices_path, book.currency, len(planner.curves), config.curves_dir)
         await server.serve(spec, config.listen, grace_s=config.grace_s)

@@ -25,6 +25,7 @@ LEDGER_URL_ENV = "LLMMESH_LEDGER_URL"
 PRICES_ENV = "LLMMESH_PRICES"
 CURVES_ENV = "LLMMESH_CURVES_DIR"
 IDLE_POLICY_ENV = "LLMMESH_IDLE_POLICY"
+TLS_DIR_ENV = "LLMMESH_TLS_DIR"
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,8 @@ class CostdConfig:
     prices_path: str = DEFAULT_PRICES
     curves_dir: str = DEFAULT_CURVES_DIR
     idle_policy: IdlePolicy = IdlePolicy.UNUSED
+    # ca.pem, costd.pem, costd.key (llmmesh certs); None: LLMMESH_TLS_DIR.
+    tls_dir: str | None = None
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -63,7 +66,10 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Cost
     parser.add_argument("--idle-policy", default=environ.get(IDLE_POLICY_ENV, "unused"),
                         choices=[p.value for p in IdlePolicy],
                         help=f"default idle capacity policy (env {IDLE_POLICY_ENV})")
+    parser.add_argument("--tls-dir", default=environ.get(TLS_DIR_ENV),
+                        help=f"the mesh's TLS files (env {TLS_DIR_ENV})")
     args = parser.parse_args(argv)
     return CostdConfig(listen=args.listen, ledger=LedgerConfig.from_url(args.db),
                        grace_s=args.grace_s, prices_path=args.prices,
-                       curves_dir=args.curves_dir, idle_policy=IdlePolicy(args.idle_policy))
+                       curves_dir=args.curves_dir, idle_policy=IdlePolicy(args.idle_policy),
+                       tls_dir=args.tls_dir)

@@ -7,17 +7,43 @@ which OTLP senders retry with backoff — so an acknowledged export is always in
 from __future__ import annotations
 
 import logging
+
+import grpc
 from collections.abc import Sequence
 
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from costd import capacity, usage
 from costd.pipeline import Consumer, Rejection, RetryableError
+from llmmesh.identity import Role, peer_role
 
 log = logging.getLogger(__name__)
 
 # Enough reasons to find the broken sender, few enough to keep the response small.
 MAX_REASONS_IN_MESSAGE = 5
+
+
+# Which role alone may send a span that carries each billing flag: a forged or misrouted bill
+# from any other identity is never billed (and cannot take a real request's ledger key first).
+_SENDER_OF_FLAG = {usage.FINAL: Role.ROUTER, capacity.FINAL: Role.WORKER}
+
+
+def sort_by_sender(spans: Sequence[Span], sender: Role | None) -> tuple[list[Span], list[Rejection]]:
+    """The spans this sender may have billed, and a rejection for each it may not."""
+    kept: list[Span] = []
+    refused: list[Rejection] = []
+    for span in spans:
+        needed = {_SENDER_OF_FLAG[kv.key] for kv in span.attributes if kv.key in _SENDER_OF_FLAG}
+        if needed and needed != {sender}:
+            who = sender.value if sender else "no mesh identity"
+            want = " and ".join(sorted(r.value for r in needed))
+            refused.append(Rejection(f"span {span.span_id.hex() or '<no id>'}",
+                                     f"billing spans are accepted only from {want} identities, "
+                                     f"not from {who}"))
+        else:
+            kept.append(span)
+    return kept, refused
 
 
 def spans_of(request: trace_service_pb2.ExportTraceServiceRequest) -> list[Span]:
@@ -43,6 +69,8 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
 
     def __init__(self, next_consumer: Consumer[Sequence[Span]]) -> None:
         self._next = next_consumer
+        # Billing spans refused for their sender's identity, since start (costd's log says each).
+        self.num_refused_by_identity = 0
 
     async def start(self) -> None:
         pass  # The gRPC server carrying this servicer belongs to llmmesh.server.serve.
@@ -51,11 +79,16 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         pass
 
     async def Export(self, request: trace_service_pb2.ExportTraceServiceRequest,
-                     context: object) -> trace_service_pb2.ExportTraceServiceResponse:
+                     context: grpc.aio.ServicerContext) -> trace_service_pb2.ExportTraceServiceResponse:
         # Errors travel up to llmmesh.server's interceptor: RetryableError → UNAVAILABLE (the
         # sender keeps the spans and retries), anything else → INTERNAL.
+        spans, refused = sort_by_sender(spans_of(request), peer_role(context))
+        if refused:
+            self.num_refused_by_identity += len(refused)
+            log.warning("refused %d billing spans for their sender (%d since start): %s",
+                        len(refused), self.num_refused_by_identity, refused[0])
         try:
-            rejections = await self._next.consume(spans_of(request))
+            rejections = [*refused, *await self._next.consume(spans)]
         except RetryableError as error:
             log.warning("export refused, sender will retry: %s", error)
             raise

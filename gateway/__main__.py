@@ -13,6 +13,8 @@ from gateway.servicer import GatewayServicer
 from gateway.tenants import TenantBook
 from gateway.validation import ServedModel
 from llmmesh import server, telemetry
+from llmmesh.identity import Role
+from llmmesh.mtls import MeshIdentity
 from llmmesh.models import DEFAULT_MODEL, read_context_length, resolve_model
 from llmmesh.tokenizer import Tokenizer
 from llmmesh.v1 import gateway_pb2, gateway_pb2_grpc
@@ -30,13 +32,25 @@ def _args() -> argparse.Namespace:
     # device (int4 on a CPU, bf16 on CUDA), so one setting keeps both sides in agreement.
     p.add_argument("--quantization", default=env("LLMMESH_QUANTIZATION", "auto"))
     p.add_argument("--block-size", type=int, default=int(env("LLMMESH_BLOCK_SIZE", "16")))
-    return p.parse_args()
+    p.add_argument("--tls-cert", default=env("LLMMESH_GATEWAY_TLS_CERT"),
+                   help="PEM certificate for the public port (plaintext without one)")
+    p.add_argument("--tls-key", default=env("LLMMESH_GATEWAY_TLS_KEY"))
+    args = p.parse_args()
+    if bool(args.tls_cert) != bool(args.tls_key):
+        p.error("--tls-cert and --tls-key go together")
+    host = args.listen.rsplit(":", 1)[0].strip("[]")
+    if not args.tls_cert and host not in ("127.0.0.1", "localhost", "::1"):
+        # API keys in plaintext are readable on the wire: only loopback may go without TLS.
+        p.error(f"--listen {args.listen} is not loopback: give --tls-cert/--tls-key")
+    return args
 
 
 async def main() -> None:
     args = _args()
     server.configure_logging("gateway")
-    tracer = telemetry.setup_tracing("llmmesh-gateway", args.otlp_endpoint)
+    # Its own spans go to costd over mutual TLS as the gateway role (never billed from there).
+    tracer = telemetry.setup_tracing("llmmesh-gateway", args.otlp_endpoint,
+                                     MeshIdentity.from_env(Role.GATEWAY))
     spec = resolve_model(args.model)
     model = ServedModel(spec.name, read_context_length(spec.gguf_path), args.quantization,
                         Tokenizer.from_gguf(spec.gguf_path))
@@ -53,7 +67,8 @@ async def main() -> None:
     await server.serve(server.ServiceSpec(
         servicers=[(gateway_pb2_grpc.add_GatewayServiceServicer_to_server, servicer)],
         service_names=[gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name],
-        on_shutdown=[close]), args.listen)
+        on_shutdown=[close], public=True,
+        public_tls=(args.tls_cert, args.tls_key) if args.tls_cert else None), args.listen)
 
 
 if __name__ == "__main__":

@@ -114,7 +114,8 @@ def generate(prompt: str,
 def usage(tenant: str = typer.Option(..., help="tenant id"),
           costd: str = typer.Option("127.0.0.1:50055", help="costd address")) -> None:
     """Print a tenant's billed tokens."""
-    with grpc.insecure_channel(costd) as channel:
+    from llmmesh.cli_cost import costd_channel
+    with costd_channel(costd) as channel:
         try:
             r = cost_pb2_grpc.CostServiceStub(channel).GetUsage(
                 cost_pb2.GetUsageRequest(tenant_id=tenant), timeout=10)
@@ -124,6 +125,18 @@ def usage(tenant: str = typer.Option(..., help="tenant id"),
     typer.echo(f"tenant {r.tenant_id}: requests={r.requests} prompt_tokens={r.prompt_tokens} "
                f"cached_prompt_tokens={r.cached_prompt_tokens} completion_tokens={r.completion_tokens} "
                f"prefill_device_s={r.prefill_device_seconds:.3f} decode_device_s={r.decode_device_seconds:.3f}")
+
+
+@app.command()
+def certs(directory: str = typer.Argument("var/tls", help="where the CA and certificates go"),
+          rotate: bool = typer.Option(False, help="issue every role's certificate anew (same CA)"),
+          dns: list[str] = typer.Option([], help="extra DNS name in every certificate (repeatable)")) -> None:
+    """Create the mesh's private CA and one certificate per role (files 0600): for compose, a
+    Kubernetes Secret per role, or `make up` (which does this itself on first run)."""
+    from llmmesh import certs as mesh_certs
+    issued = mesh_certs.ensure(directory, rotate=rotate, extra_dns=dns)
+    typer.echo(f"{directory}: issued {', '.join(r.value for r in issued) or 'nothing (all present)'}; "
+               f"services read it through LLMMESH_TLS_DIR={directory}")
 
 
 @app.command("hash-key")

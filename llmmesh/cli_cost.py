@@ -18,6 +18,8 @@ import typer
 from google.protobuf import json_format
 
 from llmmesh.atomic_file import write_atomic
+from llmmesh.identity import Role
+from llmmesh.mtls import MissingIdentity, operator_channel
 from llmmesh.v1 import cost_pb2, cost_pb2_grpc
 
 DEFAULT_COSTD = "127.0.0.1:50055"
@@ -47,6 +49,15 @@ def unix_s(text: str) -> float:
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=timezone.utc)
     return moment.timestamp()
+
+
+def costd_channel(address: str) -> grpc.Channel:
+    """costd serves mutual TLS only: this tool calls it with the mesh's admin certificate."""
+    try:
+        return operator_channel(address, Role.COSTD)
+    except MissingIdentity as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
 
 
 def _fail(error: grpc.RpcError) -> typer.Exit:
@@ -132,7 +143,7 @@ def bill(tenant: str = typer.Option("", help="tenant id; empty: every tenant + t
     query = cost_pb2.BillingQuery(tenant_id=tenant, start_unix_s=unix_s(start),
                                   end_unix_s=unix_s(end), idle_policy=IDLE[idle],
                                   granularity=GRANULARITIES.get(granularity, 0))
-    with grpc.insecure_channel(costd) as channel:
+    with costd_channel(costd) as channel:
         stub = cost_pb2_grpc.CostServiceStub(channel)
         try:
             if fmt in EXPORTS:
@@ -229,7 +240,7 @@ def whatif(profile: str = typer.Option(..., help="traffic profile JSON file"),
     if local:
         response = _whatif_local(request)
     else:
-        with grpc.insecure_channel(costd) as channel:
+        with costd_channel(costd) as channel:
             try:
                 response = cost_pb2_grpc.CostServiceStub(channel).WhatIf(request, timeout=60)
             except grpc.RpcError as error:

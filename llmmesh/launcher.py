@@ -10,7 +10,11 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from llmmesh import certs
+from llmmesh.identity import Role
+from llmmesh.mtls import TLS_DIR_ENV, MeshIdentity
 from llmmesh.server import wait_serving
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,6 +33,9 @@ def find_redis_server() -> str:
         raise FileNotFoundError("redis-server not found; install it with: "
                                 "sudo apt-get update && sudo apt-get install -y redis-server")
     return path
+
+
+_SERVER_ROLES = {"router": Role.ROUTER, "worker": Role.WORKER, "costd": Role.COSTD}
 
 
 @dataclass
@@ -54,13 +61,21 @@ class Mesh:
     extra_otlp_endpoints: list[str] = field(default_factory=list)
     procs: dict[str, Proc] = field(default_factory=dict)
     log_dir: str = ""
+    # The mesh's CA and role certificates; default LLMMESH_TLS_DIR, else <var_dir>/tls (made here).
+    tls_dir: str = ""
 
     def __post_init__(self):
         os.makedirs(self.var_dir, exist_ok=True)
         self.log_dir = self.log_dir or os.path.join(self.var_dir, "logs")
         os.makedirs(self.log_dir, exist_ok=True)
+        self.tls_dir = self.tls_dir or os.environ.get(TLS_DIR_ENV) or os.path.join(self.var_dir, "tls")
+        certs.ensure(self.tls_dir)
         self.env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                    "PYTHONUNBUFFERED": "1"}
+                    "PYTHONUNBUFFERED": "1", TLS_DIR_ENV: self.tls_dir}
+
+    def identity(self, role: Role = Role.ADMIN) -> MeshIdentity:
+        """A role's certificate in this mesh (tests call internal ports as ADMIN or another role)."""
+        return MeshIdentity(Path(self.tls_dir), role)
 
     def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
@@ -98,7 +113,10 @@ class Mesh:
                     raise RuntimeError(f"{name} exited with {proc.popen.returncode}; "
                                        f"see {os.path.join(self.log_dir, name + '.log')}")
                 try:
-                    await wait_serving(proc.address, timeout_s=1.0)
+                    # The gateway's public port is plaintext on loopback; every other is mTLS.
+                    role = _SERVER_ROLES.get(name.rstrip("0123456789"))
+                    await wait_serving(proc.address, timeout_s=1.0, server_role=role,
+                                       caller=self.identity() if role else None)
                     return
                 except TimeoutError:
                     if time.monotonic() > deadline:

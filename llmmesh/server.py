@@ -15,6 +15,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from llmmesh.errors import MeshError
+from llmmesh.identity import Role
+from llmmesh.mtls import MeshIdentity, RoleInterceptor, aio_channel, server_credentials
 
 log = logging.getLogger("llmmesh.server")
 
@@ -73,18 +75,42 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
 @dataclass
 class ServiceSpec:
-    """What a service hosts: (add_XServicer_to_server, servicer) pairs and their full names."""
+    """What a service hosts: (add_XServicer_to_server, servicer) pairs and their full names.
+
+    An internal service names its `identity`: its port then serves mutual TLS only, and each
+    method answers only the roles llmmesh.identity allows. Only the public gateway sets
+    `public` instead (API keys authorize its callers), with server TLS when given `public_tls`
+    (certificate and key paths).
+    """
 
     servicers: list[tuple[Callable, object]]
     service_names: list[str]
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    identity: MeshIdentity | None = None
+    public: bool = False
+    public_tls: tuple[str, str] | None = None
+
+    def __post_init__(self):
+        if (self.identity is None) == (not self.public):
+            raise ValueError("a service is either internal (identity) or public, not both or neither")
+
+
+def _add_port(server: grpc.aio.Server, spec: ServiceSpec, listen: str) -> int:
+    if spec.identity is not None:
+        return server.add_secure_port(listen, server_credentials(spec.identity))
+    if spec.public_tls:
+        cert, key = (open(p, "rb").read() for p in spec.public_tls)
+        return server.add_secure_port(listen, grpc.ssl_server_credentials([(key, cert)]))
+    return server.add_insecure_port(listen)
 
 
 async def serve(spec: ServiceSpec, listen: str, *, grace_s: float = 5.0,
                 ready: Callable[[str], None] | None = None,
                 stop_event: asyncio.Event | None = None) -> None:
     """Run until SIGTERM/SIGINT (or stop_event), then drain calls for `grace_s` and shut down."""
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=[
+    # Roles first: a refused caller never reaches the servicer or its error mapping.
+    interceptors = [RoleInterceptor()] if spec.identity else []
+    server = grpc.aio.server(interceptors=[*interceptors, ErrorMappingInterceptor()], options=[
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ("grpc.so_reuseport", 0),
@@ -95,7 +121,7 @@ async def serve(spec: ServiceSpec, listen: str, *, grace_s: float = 5.0,
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*spec.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(listen)
+    port = _add_port(server, spec, listen)
     if port == 0:
         raise RuntimeError(f"cannot listen on {listen}")
     address = f"{listen.rsplit(':', 1)[0]}:{port}"
@@ -117,10 +143,18 @@ async def serve(spec: ServiceSpec, listen: str, *, grace_s: float = 5.0,
         await hook()
 
 
-async def wait_serving(address: str, timeout_s: float, service: str = "") -> None:
-    """Poll grpc.health.v1 until `service` is SERVING (used by `make up` and tests)."""
+def _probe_channel(address: str, caller: MeshIdentity | None, server_role: Role | None):
+    if caller is None or server_role is None:
+        return grpc.aio.insecure_channel(address)
+    return aio_channel(address, caller, server_role)
+
+
+async def wait_serving(address: str, timeout_s: float, service: str = "", *,
+                       caller: MeshIdentity | None = None, server_role: Role | None = None) -> None:
+    """Poll grpc.health.v1 until `service` is SERVING (used by `make up` and tests); an
+    internal service is probed over mutual TLS as `caller`, expecting `server_role`."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with _probe_channel(address, caller, server_role) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

@@ -11,6 +11,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from llmmesh.identity import Role
+from llmmesh.mtls import MeshIdentity, channel_credentials, channel_options
+
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 # Attribute names (OTel GenAI semantic conventions, then ours under llmmesh.*).
@@ -35,15 +38,21 @@ USAGE_FINAL = "llmmesh.usage.final"  # set on exactly one span per request: the 
 _provider: TracerProvider | None = None
 
 
-def setup_tracing(service_name: str, otlp_endpoint: str | None) -> trace.Tracer:
+def setup_tracing(service_name: str, otlp_endpoint: str | None,
+                  identity: MeshIdentity | None = None) -> trace.Tracer:
     """Install a TracerProvider exporting to `otlp_endpoint`: host:port, or several separated
-    by commas (costd plus a tracing backend, say); no export when empty."""
+    by commas (costd plus a tracing backend, say); no export when empty. Exports go over mutual
+    TLS as `identity`, to receivers whose certificate names the costd role (costd decides what
+    to bill by the sender's role, so spans must carry it)."""
     global _provider
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
     for endpoint in filter(None, (otlp_endpoint or "").split(",")):
+        security = ({"insecure": True} if identity is None else
+                    {"credentials": channel_credentials(identity),
+                     "channel_options": tuple(channel_options(Role.COSTD))})
         # A short delay keeps bills fresh; the exporter retries UNAVAILABLE with backoff itself.
         provider.add_span_processor(BatchSpanProcessor(
-            OTLPSpanExporter(endpoint=endpoint.strip(), insecure=True),
+            OTLPSpanExporter(endpoint=endpoint.strip(), **security),
             schedule_delay_millis=200, max_export_batch_size=256))
     _provider = provider
     trace.set_tracer_provider(provider)

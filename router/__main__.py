@@ -9,6 +9,8 @@ import socket
 import redis.asyncio as aioredis
 
 from llmmesh import server, telemetry
+from llmmesh.identity import Role
+from llmmesh.mtls import MeshIdentity
 from router.dispatcher import Dispatcher, DispatcherConfig
 from router.fairness import ClassPolicy
 from router.policy import POLICIES, make_policy
@@ -34,10 +36,11 @@ def _args() -> argparse.Namespace:
 async def main() -> None:
     args = _args()
     server.configure_logging("router")
-    tracer = telemetry.setup_tracing("llmmesh-router", args.otlp_endpoint)
+    identity = MeshIdentity.from_env(Role.ROUTER)
+    tracer = telemetry.setup_tracing("llmmesh-router", args.otlp_endpoint, identity)
     redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True,
                                     socket_connect_timeout=2.0, health_check_interval=10)
-    registry = WorkerRegistry(redis)
+    registry = WorkerRegistry(redis, identity)
     dispatcher = Dispatcher(redis, registry, make_policy(args.policy),
                             DispatcherConfig(consumer=args.consumer, class_policy=ClassPolicy(
                                 batch_min_share=args.batch_min_share),
@@ -54,8 +57,8 @@ async def main() -> None:
         telemetry.shutdown_tracing()
 
     # The router serves only grpc.health.v1 (and reflection) so orchestrators can probe it.
-    await server.serve(server.ServiceSpec(servicers=[], service_names=[], on_shutdown=[close]),
-                       args.listen)
+    await server.serve(server.ServiceSpec(servicers=[], service_names=[], on_shutdown=[close],
+                                          identity=identity), args.listen)
 
 
 if __name__ == "__main__":

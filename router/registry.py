@@ -11,7 +11,9 @@ import grpc
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from llmmesh import queue
+from llmmesh import mtls, queue
+from llmmesh.identity import Role
+from llmmesh.mtls import MeshIdentity
 from llmmesh.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("router.registry")
@@ -45,8 +47,9 @@ class WorkerHandle:
 class WorkerRegistry:
     """Keeps `workers` in step with the leases workers keep alive in Redis."""
 
-    def __init__(self, redis: aioredis.Redis, refresh_s: float = 1.0):
+    def __init__(self, redis: aioredis.Redis, identity: MeshIdentity, refresh_s: float = 1.0):
         self.redis = redis
+        self.identity = identity
         self.refresh_s = refresh_s
         self.workers: dict[str, WorkerHandle] = {}
         self.changed = asyncio.Event()
@@ -72,7 +75,9 @@ class WorkerRegistry:
         self.changed.set()
 
     def _add(self, info: dict) -> None:
-        channel = grpc.aio.insecure_channel(info["address"])
+        # Mutual TLS, and the far end must hold a worker certificate: a lease naming any other
+        # address (a forged one in Redis) cannot draw requests.
+        channel = mtls.aio_channel(info["address"], self.identity, Role.WORKER)
         self.workers[info["worker_id"]] = WorkerHandle(
             worker_id=info["worker_id"], address=info["address"],
             max_inflight=int(info.get("max_inflight", 32)), channel=channel,

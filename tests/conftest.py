@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -13,7 +14,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from llmmesh import certs  # noqa: E402
+from llmmesh.identity import Role  # noqa: E402
 from llmmesh.launcher import find_redis_server, free_port  # noqa: E402
+from llmmesh.mtls import TLS_DIR_ENV, MeshIdentity, server_credentials  # noqa: E402
+
+# One CA and one certificate per role for the whole run; every process a test starts inherits it.
+# Set whatever the caller's environment says, so a test never trusts a developer's own CA.
+os.environ[TLS_DIR_ENV] = tempfile.mkdtemp(prefix="llmmesh-tls-")
+certs.ensure(os.environ[TLS_DIR_ENV])
+
+
+def as_role(role: Role) -> MeshIdentity:
+    return MeshIdentity.from_env(role)
+
+
+@pytest.fixture
+def identity():
+    """identity(Role.X): that role's certificate in this run's mesh CA."""
+    return as_role
+
+
+@pytest.fixture
+def serve_as():
+    """serve_as(server, Role.X) adds a mutual-TLS port to an in-test gRPC server; returns it."""
+    def add(server, role: Role) -> int:
+        return server.add_secure_port("127.0.0.1:0", server_credentials(as_role(role)))
+    return add
 
 
 class RedisServer:

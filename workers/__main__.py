@@ -14,6 +14,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from llmmesh import queue, server, telemetry
+from llmmesh.identity import Role
+from llmmesh.mtls import MeshIdentity
 from llmmesh.models import DEFAULT_MODEL, resolve_model
 from llmmesh.tokenizer import Tokenizer
 from llmmesh.v1 import worker_pb2, worker_pb2_grpc
@@ -93,7 +95,8 @@ async def publish_cache_index(redis: aioredis.Redis, worker_id: str, engine: Asy
 async def main() -> None:
     args = _args()
     server.configure_logging("worker")
-    tracer = telemetry.setup_tracing("llmmesh-worker", args.otlp_endpoint)
+    identity = MeshIdentity.from_env(Role.WORKER)   # before the model: a missing cert fails fast
+    tracer = telemetry.setup_tracing("llmmesh-worker", args.otlp_endpoint, identity)
     spec = resolve_model(args.model)
     config = EngineConfig(gguf_path=spec.gguf_path, device=args.device, dtype=args.dtype,
                           quantization=args.quantization,
@@ -141,7 +144,7 @@ async def main() -> None:
     await server.serve(server.ServiceSpec(
         servicers=[(worker_pb2_grpc.add_WorkerServiceServicer_to_server, servicer)],
         service_names=[worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name],
-        on_shutdown=[close]), args.listen, ready=ready)
+        on_shutdown=[close], identity=identity), args.listen, ready=ready)
 
 
 def _cuda_name() -> str:

@@ -5,6 +5,9 @@ import time
 
 import grpc
 
+from llmmesh import mtls
+from llmmesh.identity import Role
+from llmmesh.mtls import MeshIdentity
 from llmmesh.v1 import common_pb2, gateway_pb2, worker_pb2, worker_pb2_grpc
 
 DEMO_KEYS = {"acme": "llmmesh-demo-acme", "globex": "llmmesh-demo-globex"}
@@ -47,7 +50,7 @@ def chat(text: str, max_tokens: int = 30, batch: bool = False) -> gateway_pb2.Ge
 
 
 def worker_load(address: str) -> worker_pb2.GetLoadResponse:
-    with grpc.insecure_channel(address) as channel:
+    with mtls.channel(address, MeshIdentity.from_env(Role.ADMIN), Role.WORKER) as channel:
         return worker_pb2_grpc.WorkerServiceStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=2)
 
 

@@ -6,6 +6,10 @@ import threading
 from concurrent import futures
 
 import grpc
+
+from llmmesh import mtls
+from llmmesh.identity import Role
+from llmmesh.mtls import MeshIdentity
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 
@@ -25,7 +29,10 @@ class SpanCapture(trace_service_pb2_grpc.TraceServiceServicer):
         self.lock = threading.Lock()
         self.server = grpc.server(futures.ThreadPoolExecutor(4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        # Services export over mutual TLS to a costd identity: this stands where a tracing
+        # backend behind the mesh's collector would.
+        self.port = self.server.add_secure_port(
+            "127.0.0.1:0", mtls.server_credentials(MeshIdentity.from_env(Role.COSTD)))
         self.server.start()
 
     @property

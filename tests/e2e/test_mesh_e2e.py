@@ -7,7 +7,8 @@ import grpc
 import pytest
 import redis
 
-from llmmesh import queue
+from llmmesh import mtls, queue
+from llmmesh.identity import Role
 from llmmesh.v1 import common_pb2, cost_pb2, cost_pb2_grpc, gateway_pb2
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -58,7 +59,7 @@ def test_two_tenants_two_classes_billed_as_told(mesh, gateway):
     assert len(done.token_ids) == done.final.usage.completion_tokens <= 12
 
     told = {"acme": final.usage, "globex": done.final.usage}
-    with grpc.insecure_channel(mesh.procs["costd"].address) as channel:
+    with mtls.channel(mesh.procs["costd"].address, mesh.identity(), Role.COSTD) as channel:
         costd = cost_pb2_grpc.CostServiceStub(channel)
         deadline = time.monotonic() + 20
         while True:

@@ -12,8 +12,12 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from llmmesh import mtls
+from llmmesh.identity import Role
 from llmmesh.launcher import free_port
+from llmmesh.mtls import MeshIdentity
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden" / "costd"
@@ -30,8 +34,9 @@ class Costd:
     def log(self) -> str:
         return self.log_path.read_text()
 
-    def channel(self) -> grpc.Channel:
-        return grpc.insecure_channel(self.address)
+    def channel(self, role: Role = Role.ADMIN) -> grpc.Channel:
+        """To costd as `role`: ADMIN reads bills, ROUTER sends the spans costd bills."""
+        return mtls.channel(self.address, MeshIdentity.from_env(role), Role.COSTD)
 
 
 def _serving(costd: Costd) -> bool:
@@ -45,12 +50,35 @@ def _serving(costd: Costd) -> bool:
             return False
 
 
+_SENDER_ROLES = {"router": Role.ROUTER, "llmmesh-router": Role.ROUTER,
+                 "llmmesh-worker": Role.WORKER, "worker": Role.WORKER}
+
+
+def export_by_sender(costd: "Costd", request) -> trace_service_pb2.ExportTraceServiceResponse:
+    """Sends each resource's spans as the service that made them would (costd bills usage only
+    from routers and capacity only from workers); one answer with every rejection counted."""
+    rejected, messages = 0, []
+    for resource_spans in request.resource_spans:
+        service = next((kv.value.string_value for kv in resource_spans.resource.attributes
+                        if kv.key == "service.name"), "")
+        one = trace_service_pb2.ExportTraceServiceRequest(resource_spans=[resource_spans])
+        with costd.channel(_SENDER_ROLES.get(service, Role.GATEWAY)) as channel:
+            answer = trace_service_pb2_grpc.TraceServiceStub(channel).Export(one, timeout=10)
+        rejected += answer.partial_success.rejected_spans
+        messages += [answer.partial_success.error_message] if answer.partial_success.error_message else []
+    if not rejected:
+        return trace_service_pb2.ExportTraceServiceResponse()
+    return trace_service_pb2.ExportTraceServiceResponse(partial_success={
+        "rejected_spans": rejected, "error_message": "; ".join(messages)})
+
+
 def start_costd(db: str, log_path: Path, *extra: str, address: str | None = None) -> Costd:
     address = address or f"127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMMESH_")}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "costd", "--listen", address, "--db", db,
-                                 *extra], cwd=REPO, env=env, stdout=log,
+                                 "--tls-dir", os.environ[mtls.TLS_DIR_ENV], *extra],
+                                cwd=REPO, env=env, stdout=log,
                                 stderr=subprocess.STDOUT)
     costd = Costd(address, db, log_path, proc)
     deadline = time.monotonic() + START_DEADLINE_S

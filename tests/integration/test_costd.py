@@ -23,7 +23,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import (BatchSpanProcessor, SimpleSpanProcessor,
                                             SpanExporter, SpanExportResult)
 
+from llmmesh import mtls
+from llmmesh.identity import Role
 from llmmesh.launcher import free_port
+from llmmesh.mtls import MeshIdentity
 from llmmesh.v1 import cost_pb2, cost_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,8 +47,9 @@ class Costd:
     def log(self) -> str:
         return self.log_path.read_text()
 
-    def channel(self) -> grpc.Channel:
-        return grpc.insecure_channel(self.address)
+    def channel(self, role: Role = Role.ADMIN) -> grpc.Channel:
+        """To costd as `role`: ADMIN reads bills, ROUTER sends the spans costd bills."""
+        return mtls.channel(self.address, MeshIdentity.from_env(role), Role.COSTD)
 
 
 def health_status(channel: grpc.Channel, service: str) -> int:
@@ -72,7 +76,8 @@ def start_costd(db_path: Path, log_path: Path) -> Costd:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMMESH_")}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "costd", "--listen", address, "--db", str(db_path)],
+            [sys.executable, "-m", "costd", "--listen", address, "--db", str(db_path),
+             "--tls-dir", os.environ[mtls.TLS_DIR_ENV]],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     costd = Costd(address, db_path, log_path, proc)
     try:
@@ -114,7 +119,11 @@ class RecordingExporter(SpanExporter):
     """The real OTLP exporter, keeping each export's result so a failed send fails the test."""
 
     def __init__(self, address: str) -> None:
-        self.inner = OTLPSpanExporter(endpoint=address, insecure=True, timeout=10)
+        # As the router: costd bills usage spans only from router identities.
+        router = MeshIdentity.from_env(Role.ROUTER)
+        self.inner = OTLPSpanExporter(endpoint=address, credentials=mtls.channel_credentials(router),
+                                      channel_options=tuple(mtls.channel_options(Role.COSTD)),
+                                      timeout=10)
         self.results: list[SpanExportResult] = []
 
     def export(self, spans):
@@ -236,10 +245,12 @@ def final_span(span_id: int, **attributes) -> trace_pb2.Span:
         attributes=[kv(k, v) for k, v in values.items() if v is not None])
 
 
-def export(channel: grpc.Channel, spans: list[trace_pb2.Span]):
+def export(costd: Costd, spans: list[trace_pb2.Span]):
+    """Sent as a router would (the only identity whose usage spans costd bills)."""
     request = trace_service_pb2.ExportTraceServiceRequest(resource_spans=[{
         "scope_spans": [{"spans": spans}]}])
-    return trace_service_pb2_grpc.TraceServiceStub(channel).Export(request, timeout=5)
+    with costd.channel(Role.ROUTER) as channel:
+        return trace_service_pb2_grpc.TraceServiceStub(channel).Export(request, timeout=5)
 
 
 def test_malformed_spans_are_reported_and_the_rest_of_the_batch_lands(costd):
@@ -248,13 +259,13 @@ def test_malformed_spans_are_reported_and_the_rest_of_the_batch_lands(costd):
              final_span(3, **{"gen_ai.usage.output_tokens": -4}),
              final_span(4, **{"llmmesh.usage.final": None})]  # not usage: ignored, not rejected
     with costd.channel() as channel:
-        response = export(channel, spans)
+        response = export(costd, spans)
         assert response.partial_success.rejected_spans == 2
         message = response.partial_success.error_message
         assert "(request req-2): llmmesh.tenant.id is required" in message
         assert "(request req-3): gen_ai.usage.output_tokens must be >= 0, got -4" in message
         assert get_usage(channel, "initech").requests == 1
-        assert not export(channel, [final_span(5)]).HasField("partial_success")
+        assert not export(costd, [final_span(5)]).HasField("partial_success")
         assert get_usage(channel, "initech").requests == 2
     assert costd.proc.poll() is None
 
@@ -313,7 +324,7 @@ def test_sigterm_exits_zero_and_the_ledger_dedupes_across_restarts(tmp_path):
 
 def test_an_acknowledged_export_survives_a_crash(own_costd):
     with own_costd.channel() as channel:
-        export(channel, [final_span(1), final_span(2)])
+        export(own_costd, [final_span(1), final_span(2)])
     own_costd.proc.send_signal(signal.SIGKILL)
     own_costd.proc.wait(timeout=5)
     assert ledger_rows(own_costd.db_path) == 2

@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from costd_proc import REPO
+from llmmesh.identity import Role
 from llmmesh.v1 import cost_pb2, cost_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)
@@ -43,11 +44,11 @@ class StallingCostService(cost_pb2_grpc.CostServiceServicer):
 
 
 @pytest.fixture
-def fake_costd():
+def fake_costd(serve_as):
     service = StallingCostService()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     cost_pb2_grpc.add_CostServiceServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = serve_as(server, Role.COSTD)   # the CLI calls costd over mutual TLS only
     server.start()
     service.address = f"127.0.0.1:{port}"
     yield service

@@ -30,8 +30,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from costd_proc import kill, start_costd, stop
+from costd_proc import export_by_sender, kill, start_costd, stop
+from llmmesh import mtls
+from llmmesh.identity import Role
 from llmmesh.launcher import free_port
+from llmmesh.mtls import MeshIdentity
 from llmmesh.v1 import cost_pb2, cost_pb2_grpc
 
 pytestmark = pytest.mark.timeout(90)
@@ -97,9 +100,8 @@ def as_rows(truth: list[Truth]) -> set:
 class FaultyProxy(grpc.GenericRpcHandler):
     """Forwards raw OTLP exports to costd; answers UNAVAILABLE to `fail_rate` of the calls."""
 
-    def __init__(self, target: str, fail_rate: float, seed: int) -> None:
-        self.channel = grpc.insecure_channel(target)
-        self.forward = self.channel.unary_unary(EXPORT)
+    def __init__(self, costd, fail_rate: float, seed: int) -> None:
+        self.costd = costd
         self.rng, self.lock = random.Random(seed), threading.Lock()
         self.fate = {"before": 0, "after": 0, "ok": 0}
         self.fail_rate = fail_rate
@@ -122,10 +124,11 @@ class FaultyProxy(grpc.GenericRpcHandler):
                 self.fate[where] += 1
             if where == "before":
                 self._unavailable(context, where)
-            answer = self.forward(request, timeout=10)
+            # Each resource's spans as its own sender: costd bills usage from routers only.
+            answer = export_by_sender(self.costd, trace_service_pb2.ExportTraceServiceRequest.FromString(request))
             if where == "after":  # costd committed; the sender never hears so
                 self._unavailable(context, where)
-            return answer
+            return answer.SerializeToString()
 
         return grpc.unary_unary_rpc_method_handler(export)
 
@@ -133,12 +136,16 @@ class FaultyProxy(grpc.GenericRpcHandler):
 def sdk_batches(truth: list[Truth], per_batch: int) -> list[list]:
     """The SDK's own ReadableSpans: usage spans plus one worker's capacity intervals."""
     memory = InMemorySpanExporter()
-    provider = TracerProvider(resource=Resource.create({"service.name": "router"}))
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    tracer = provider.get_tracer("tests")
+
+    def tracer_of(service: str):
+        provider = TracerProvider(resource=Resource.create({"service.name": service}))
+        provider.add_span_processor(SimpleSpanProcessor(memory))
+        return provider.get_tracer("tests")
+    tracer = tracer_of("router")
     for t in truth:
         tracer.start_span("llmmesh.request", start_time=t.end_ns - S,
                           attributes=attributes(t)).end(end_time=t.end_ns)
+    tracer = tracer_of("llmmesh-worker")
     for i in range(10):
         start = (T0 + 10 * i) * S
         tracer.start_span("llmmesh.capacity", start_time=start, attributes={
@@ -151,7 +158,7 @@ def sdk_batches(truth: list[Truth], per_batch: int) -> list[list]:
 
 def test_three_sends_through_20_percent_unavailable_equal_ground_truth(tmp_path):
     costd = start_costd(str(tmp_path / "ledger.sqlite"), tmp_path / "costd.log")
-    proxy = FaultyProxy(costd.address, fail_rate=0.2, seed=11)
+    proxy = FaultyProxy(costd, fail_rate=0.2, seed=11)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), handlers=[proxy])
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -188,7 +195,6 @@ def test_three_sends_through_20_percent_unavailable_equal_ground_truth(tmp_path)
             assert abs(Decimal(invoice.total) - expected) <= Decimal("0.000000002")
     finally:
         server.stop(None)
-        proxy.channel.close()
         stop(costd)
 
 
@@ -224,7 +230,7 @@ def test_kill_9_mid_ingest_loses_nothing_senders_retry(tmp_path):
 
     def sender() -> None:
         """An OTLP sender: each export is retried until costd acknowledges it."""
-        with grpc.insecure_channel(address) as channel:
+        with mtls.channel(address, MeshIdentity.from_env(Role.ROUTER), Role.COSTD) as channel:
             stub = trace_service_pb2_grpc.TraceServiceStub(channel)
             for n, request in enumerate(requests):
                 while True:

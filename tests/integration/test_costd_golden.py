@@ -19,9 +19,9 @@ from decimal import Decimal
 import pyarrow.parquet as pq
 import pytest
 from google.protobuf import json_format
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-from costd_proc import GOLDEN, REPO, start_costd, stop
+from costd_proc import GOLDEN, REPO, export_by_sender, start_costd, stop
 from llmmesh.v1 import cost_pb2, cost_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,9 +44,7 @@ def costd(tmp_path_factory):
                          "--prices", str(GOLDEN / "prices.toml"))
     request = json_format.Parse((GOLDEN / "spans.json").read_text(),
                                 trace_service_pb2.ExportTraceServiceRequest())
-    with server.channel() as channel:
-        stub = trace_service_pb2_grpc.TraceServiceStub(channel)
-        answers = [stub.Export(request, timeout=10) for _ in range(2)]  # a retried export
+    answers = [export_by_sender(server, request) for _ in range(2)]  # a retried export
     server.answers = answers
     yield server
     stop(server)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 from google.protobuf import json_format
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-from costd_proc import GOLDEN, start_costd, stop
+from costd_proc import GOLDEN, export_by_sender, start_costd, stop
 from pg_ledger import postgres_url_or_skip
 from test_costd_golden import RANGE, as_json
 from llmmesh.v1 import cost_pb2, cost_pb2_grpc
@@ -26,10 +26,8 @@ def test_golden_bill_on_postgresql_survives_a_restart(postgres_url, tmp_path):
     prices = ("--prices", str(GOLDEN / "prices.toml"))
     first = start_costd(postgres_url, tmp_path / "costd.log", *prices)
     try:
-        with first.channel() as channel:
-            stub = trace_service_pb2_grpc.TraceServiceStub(channel)
-            for _ in range(2):
-                assert stub.Export(request, timeout=10).partial_success.rejected_spans == 1
+        for _ in range(2):
+            assert export_by_sender(first, request).partial_success.rejected_spans == 1
     finally:
         stop(first)
     second = start_costd(postgres_url, tmp_path / "costd.log", *prices)

@@ -16,7 +16,9 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from llmmesh import queue
+from llmmesh import mtls, queue
+from llmmesh.identity import Role
+from llmmesh.mtls import MeshIdentity
 from llmmesh.launcher import Mesh
 from llmmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.e2e.meshkit import DEMO_KEYS, auth, chat, wait_until
@@ -29,7 +31,8 @@ class FailingWorker(worker_pb2_grpc.WorkerServiceServicer):
         self.calls = 0
         self.server = grpc.server(futures.ThreadPoolExecutor(4))
         worker_pb2_grpc.add_WorkerServiceServicer_to_server(self, self.server)
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.port = self.server.add_secure_port(
+            "127.0.0.1:0", mtls.server_credentials(MeshIdentity.from_env(Role.WORKER)))
         self.server.start()
 
     def register(self, redis_url: str, worker_id: str = "failing") -> None:

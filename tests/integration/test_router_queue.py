@@ -12,6 +12,8 @@ import redis.asyncio as aioredis
 from opentelemetry import trace
 
 from llmmesh import queue
+from llmmesh.identity import Role
+from llmmesh.mtls import MeshIdentity, server_credentials
 from llmmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from router.dispatcher import Dispatcher, DispatcherConfig
 from router.policy import make_policy
@@ -54,10 +56,10 @@ async def _with_worker(redis_url: str, body):
     worker = FinalOnlyWorker()
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_secure_port("127.0.0.1:0", server_credentials(MeshIdentity.from_env(Role.WORKER)))
     await server.start()
     redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    registry = WorkerRegistry(redis)
+    registry = WorkerRegistry(redis, MeshIdentity.from_env(Role.ROUTER))
     registry._add({"worker_id": "w1", "address": f"127.0.0.1:{port}", "max_inflight": 8})
     try:
         return await body(redis, registry, worker)
