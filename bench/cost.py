@@ -15,6 +15,9 @@ from pathlib import Path
 
 import grpc
 
+from llmmesh import mtls
+from llmmesh.identity import Role
+from llmmesh.mtls import MeshIdentity
 from llmmesh.v1 import cost_pb2, cost_pb2_grpc
 
 PRICES_PATH = Path(__file__).resolve().parent.parent / "config" / "prices.toml"
@@ -33,13 +36,13 @@ def price_per_hour(device_type: str = "cpu", path: Path = PRICES_PATH) -> tuple[
     return float(current[-1]["per_hour"]), book.get("currency", "USD"), device
 
 
-async def costd_bill(address: str, start_unix_s: float, end_unix_s: float, num_requests: int,
+async def costd_bill(address: str, identity: MeshIdentity, start_unix_s: float, end_unix_s: float, num_requests: int,
                      timeout_s: float = 30.0) -> dict | None:
     """Invoices over [start, end) once costd has every request (spans arrive in batches)."""
     query = cost_pb2.BillingQuery(start_unix_s=start_unix_s, end_unix_s=end_unix_s,
                                   granularity=cost_pb2.GRANULARITY_TOTAL)
     deadline = time.monotonic() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with mtls.aio_channel(address, identity, Role.COSTD) as channel:
         stub = cost_pb2_grpc.CostServiceStub(channel)
         while True:
             try:

@@ -65,7 +65,8 @@ async def measure(pairs: int, seed: int, worker_args: list[str]) -> dict:
     rng = random.Random(seed)
     mesh = MeshTarget("var/bench-overhead", 1, worker_args)
     await mesh.start()
-    direct = WorkerTarget("var/bench-overhead-direct", attach_address=mesh.worker_addresses[0])
+    direct = WorkerTarget("var/bench-overhead-direct", attach_address=mesh.worker_addresses[0],
+                          tls_dir=mesh.mesh.tls_dir)
     await direct.start()
     rows = []
     try:

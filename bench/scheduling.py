@@ -22,6 +22,8 @@ from pathlib import Path
 import grpc
 
 from bench.environment import environment
+from llmmesh import mtls
+from llmmesh.identity import Role
 from llmmesh.launcher import Mesh
 from llmmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -209,7 +211,8 @@ async def with_mesh(args, policy: str, body) -> dict:
                 router_args=["--policy", policy], gateway_args=["--tenants", str(tenants)])
     try:
         await mesh.up(num_workers=2, timeout_s=300)
-        async with grpc.aio.insecure_channel(mesh.procs["worker0"].address) as channel:
+        async with mtls.aio_channel(mesh.procs["worker0"].address, mesh.identity(),
+                                    Role.WORKER) as channel:
             load = await worker_pb2_grpc.WorkerServiceStub(channel).GetLoad(
                 worker_pb2.GetLoadRequest(), timeout=10)
             args.weights = f"{load.device_type} {load.quantization}"

@@ -17,7 +17,10 @@ import httpx
 from bench.cost import costd_bill
 from bench.peers.llamacpp import LlamaServer, llamacpp_version, parse_metrics
 from bench.workload import RequestSpec
+from llmmesh import mtls
+from llmmesh.identity import Role
 from llmmesh.launcher import Mesh, free_port
+from llmmesh.mtls import MeshIdentity
 from llmmesh.models import DEFAULT_MODEL, resolve_model
 from llmmesh.v1 import (common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2,
                         worker_pb2_grpc)
@@ -47,8 +50,8 @@ def _sampling(spec: RequestSpec) -> common_pb2.SamplingParams:
 class WorkerLoads:
     """Sums GetLoad over workers: KV usage is used blocks / all blocks (cached-idle counts free)."""
 
-    def __init__(self, addresses: list[str]) -> None:
-        self.channels = [grpc.aio.insecure_channel(a) for a in addresses]
+    def __init__(self, addresses: list[str], identity: MeshIdentity) -> None:
+        self.channels = [mtls.aio_channel(a, identity, Role.WORKER) for a in addresses]
         self.stubs = [worker_pb2_grpc.WorkerServiceStub(c) for c in self.channels]
         self.device_type, self.quantization = "cpu", ""
 
@@ -100,7 +103,11 @@ class MeshTarget:
                                      if n.startswith("worker")]
         self.channel = grpc.aio.insecure_channel(self.gateway)
         self.stub = gateway_pb2_grpc.GatewayServiceStub(self.channel)
-        self.loads = WorkerLoads(self.worker_addresses) if self.worker_addresses else None
+        self.loads = (WorkerLoads(self.worker_addresses, self.identity(Role.ADMIN))
+                      if self.worker_addresses else None)
+
+    def identity(self, role: Role) -> MeshIdentity:
+        return self.mesh.identity(role) if self.mesh else MeshIdentity.from_env(role)
 
     async def stream(self, spec: RequestSpec) -> AsyncIterator[Event]:
         req = gateway_pb2.GenerateRequest(sampling=_sampling(spec),
@@ -121,7 +128,8 @@ class MeshTarget:
         return await self.loads.sample() if self.loads else None
 
     async def bill(self, start_unix_s: float, end_unix_s: float, num_requests: int) -> dict | None:
-        return await costd_bill(self.costd, start_unix_s, end_unix_s, num_requests)
+        return await costd_bill(self.costd, self.identity(Role.ADMIN), start_unix_s, end_unix_s,
+                                num_requests)
 
     def describe(self) -> str:
         if self.mesh is None:
@@ -140,10 +148,11 @@ class WorkerTarget:
     name = "worker"
 
     def __init__(self, var_dir: str, worker_args: list[str] | None = None,
-                 attach_address: str = ""):
+                 attach_address: str = "", tls_dir: str | None = None):
         # attach_address: call a worker someone else started (bench.overhead pairs the mesh's
-        # own worker with the mesh); nothing is started or stopped here then.
-        self.attach_address = attach_address
+        # own worker with the mesh), with that mesh's certificates (tls_dir); nothing is started
+        # or stopped here then.
+        self.attach_address, self.tls_dir = attach_address, tls_dir
         self.mesh = None if attach_address else Mesh(var_dir=var_dir,
                                                      worker_args=list(worker_args or []))
 
@@ -155,9 +164,12 @@ class WorkerTarget:
             await self.mesh.wait_ready(["costd"])
             address = self.mesh.start_worker("worker0").address
             await self.mesh.wait_ready(["worker0"], timeout_s=180)
-        self.channel = grpc.aio.insecure_channel(address)
+        # Called as a router would: the same mutual TLS hop the mesh's router pays for.
+        router = self.mesh.identity(Role.ROUTER) if self.mesh else MeshIdentity.from_env(
+            Role.ROUTER, self.tls_dir)
+        self.channel = mtls.aio_channel(address, router, Role.WORKER)
         self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
-        self.loads = WorkerLoads([address])
+        self.loads = WorkerLoads([address], router)
 
     async def stream(self, spec: RequestSpec) -> AsyncIterator[Event]:
         # The cache salt the gateway would give a demo tenant (its cache scope is its id).

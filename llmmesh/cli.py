@@ -65,8 +65,9 @@ def up(workers: int = typer.Option(1, help="worker processes"),
 
 
 def _print_ready(mesh) -> None:
+    from llmmesh.launcher import redacted
     gw, cd = mesh.procs["gateway"].address, mesh.procs["costd"].address
-    typer.echo(f"\nllmmesh is up.\n  gateway  {gw}\n  costd    {cd}\n  redis    {mesh.redis_url}")
+    typer.echo(f"\nllmmesh is up.\n  gateway  {gw}\n  costd    {cd}\n  redis    {redacted(mesh.redis_url)}")
     for tenant, key in DEMO_KEYS.items():
         typer.echo(f"  tenant {tenant:<7} API key {key}")
     typer.echo("\nTry:\n"
@@ -83,7 +84,9 @@ def generate(prompt: str,
              raw: bool = typer.Option(False, "--raw", help="send the prompt as is, without the chat template"),
              max_tokens: int = typer.Option(128, help="maximum tokens to generate"),
              temperature: float = typer.Option(0.0, help="0 = greedy"),
-             model: str = typer.Option("", help="model name (default: the gateway's default)")) -> None:
+             model: str = typer.Option("", help="model name (default: the gateway's default)"),
+             ca: str = typer.Option("", help="CA certificate (PEM) of a gateway serving TLS; "
+                                    "empty: plaintext (loopback demo)")) -> None:
     """Stream a completion to stdout; usage goes to stderr."""
     req = gateway_pb2.GenerateRequest(
         model=model, sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature),
@@ -92,7 +95,9 @@ def generate(prompt: str,
         req.prompt = prompt
     else:
         req.messages.add(role="user", content=prompt)
-    with grpc.insecure_channel(gateway) as channel:
+    channel = (grpc.secure_channel(gateway, grpc.ssl_channel_credentials(open(ca, "rb").read()))
+               if ca else grpc.insecure_channel(gateway))
+    with channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         try:
             for msg in stub.Generate(req, metadata=(("authorization", f"Bearer {api_key}"),)):

@@ -35,6 +35,27 @@ def find_redis_server() -> str:
     return path
 
 
+def _redis_password(conf: str) -> str:
+    """The password already in `conf` (a restart keeps it, so running clients reconnect), else new."""
+    import secrets
+    try:
+        with open(conf) as f:
+            for line in f:
+                if line.startswith("requirepass "):
+                    return line.split(None, 1)[1].strip()
+    except FileNotFoundError:
+        pass
+    return secrets.token_urlsafe(24)
+
+
+def redacted(url: str | None) -> str:
+    """A Redis URL fit to print: the password replaced."""
+    if not url or "@" not in url:
+        return url or ""
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+
+
 _SERVER_ROLES = {"router": Role.ROUTER, "worker": Role.WORKER, "costd": Role.COSTD}
 
 
@@ -83,24 +104,33 @@ class Mesh:
                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def start_redis(self, port: int | None = None) -> str:
+        """A private redis-server that needs a password (kept in a 0600 config file, never on a
+        command line) and keeps an append-only file (fsync every second)."""
         port = port or free_port()
-        argv = [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", self.var_dir]
-        self.procs["redis"] = Proc("redis", self._spawn("redis", argv), f"127.0.0.1:{port}")
-        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        conf = os.path.join(self.var_dir, "redis.conf")
+        password = _redis_password(conf)
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"port {port}\nbind 127.0.0.1\nprotected-mode yes\nrequirepass {password}\n"
+                    f'save ""\nappendonly yes\nappendfsync everysec\ndir {self.var_dir}\n')
+        self.procs["redis"] = Proc("redis", self._spawn("redis", [find_redis_server(), conf]),
+                                   f"127.0.0.1:{port}")
+        self.redis_url = f"redis://:{password}@127.0.0.1:{port}/0"
         return self.redis_url
 
     def start_service(self, name: str, module: str, extra: list[str] | None = None,
                       address: str | None = None) -> Proc:
         address = address or f"127.0.0.1:{free_port()}"
-        argv = [sys.executable, "-m", module, "--listen", address, "--redis-url", self.redis_url or ""]
+        # The Redis URL (with its password) goes by environment: argv is visible to every user.
+        argv = [sys.executable, "-m", module, "--listen", address]
         if module == "costd":
             argv = [sys.executable, "-m", "costd", "--listen", address,
                     "--db", os.path.join(self.var_dir, "ledger.sqlite")]
         else:
             endpoints = [self.procs["costd"].address, *self.extra_otlp_endpoints]
             argv += ["--otlp-endpoint", ",".join(endpoints)]
-        proc = Proc(name, self._spawn(name, argv + (extra or [])), address)
+        proc = Proc(name, self._spawn(name, argv + (extra or []), {"REDIS_URL": self.redis_url or ""}),
+                    address)
         self.procs[name] = proc
         return proc
 
@@ -144,6 +174,7 @@ class Mesh:
     def restart_redis(self) -> None:
         """Kill redis-server and start a fresh, empty one on the same port."""
         self.stop_one("redis", signal.SIGKILL)
+        shutil.rmtree(os.path.join(self.var_dir, "appendonlydir"), ignore_errors=True)
         self.start_redis(int(self.procs["redis"].address.rsplit(":", 1)[1]))
 
     def stop_one(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int | None:

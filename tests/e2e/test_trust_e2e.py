@@ -1,0 +1,233 @@
+"""Trust boundaries on the real mesh: every internal port refuses plaintext, a missing client
+certificate and another CA's certificate at the handshake; each method answers only the roles
+that may call it (a printed method × caller table); forged billing spans bill nothing and do not
+take a real request's ledger key; a worker runs requests only for routers."""
+from __future__ import annotations
+
+import sqlite3
+import time
+import uuid
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.trace.v1 import trace_pb2
+
+from llmmesh import certs, mtls, queue
+from llmmesh.identity import Role, allowed_roles
+from llmmesh.mtls import MeshIdentity
+from llmmesh.v1 import common_pb2, gateway_pb2, worker_pb2, worker_pb2_grpc
+from tests.e2e.meshkit import DEMO_KEYS, auth, chat, wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+INTERNAL = {"router": Role.ROUTER, "worker0": Role.WORKER, "costd": Role.COSTD}
+PROBES_PER_KIND = 20
+
+
+@pytest.fixture(scope="module")
+def stranger(tmp_path_factory) -> MeshIdentity:
+    """A router certificate from a CA the mesh has never seen."""
+    directory = tmp_path_factory.mktemp("stranger-ca")
+    certs.ensure(directory, roles=[Role.ROUTER])
+    return MeshIdentity(directory, Role.ROUTER)
+
+
+def _stranger_channel(address: str, stranger: MeshIdentity, server_role: Role, mesh) -> grpc.Channel:
+    # Trusts the mesh's CA (so the server is verified) but presents the stranger's certificate.
+    ca = mesh.identity().ca_path.read_bytes()
+    _, key, cert = stranger.read()
+    creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    return grpc.secure_channel(address, creds, mtls.channel_options(server_role))
+
+
+def _no_cert_channel(address: str, server_role: Role, mesh) -> grpc.Channel:
+    creds = grpc.ssl_channel_credentials(root_certificates=mesh.identity().ca_path.read_bytes())
+    return grpc.secure_channel(address, creds, mtls.channel_options(server_role))
+
+
+def _health(channel: grpc.Channel) -> str:
+    try:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
+    except grpc.RpcError as exc:
+        return exc.code().name
+
+
+def test_every_internal_port_refuses_plaintext_no_cert_and_another_ca(mesh, stranger):
+    kinds = {
+        "plaintext": lambda a, r: grpc.insecure_channel(a),
+        "no client cert": lambda a, r: _no_cert_channel(a, r, mesh),
+        "other CA": lambda a, r: _stranger_channel(a, stranger, r, mesh),
+    }
+    print()
+    for name, role in INTERNAL.items():
+        address = mesh.procs[name].address
+        refused = {}
+        for kind, make in kinds.items():
+            outcomes = []
+            for _ in range(PROBES_PER_KIND):
+                with make(address, role) as channel:   # a fresh handshake each time
+                    outcomes.append(_health(channel))
+            refused[kind] = sum(o == "UNAVAILABLE" for o in outcomes)
+        with mtls.channel(address, mesh.identity(), role) as channel:
+            admitted = _health(channel)
+        print(f"  {name:8} {address}: " + ", ".join(
+            f"{kind} refused {n}/{PROBES_PER_KIND}" for kind, n in refused.items()) +
+            f"; mesh admin: {admitted}")
+        assert refused == {kind: PROBES_PER_KIND for kind in kinds}, name
+        assert admitted == "SERVING", name
+
+
+def _methods(address: str, mesh, role: Role) -> list[tuple[str, bool]]:
+    """(full method name, server-streaming) of every service the port lists through reflection."""
+    from google.protobuf import descriptor_pb2
+    with mtls.channel(address, mesh.identity(), role) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = [s.name for s in reply.list_services_response.service]
+        methods = []
+        for service in names:
+            if "reflection" in service:
+                continue
+            ask = reflection_pb2.ServerReflectionRequest(file_containing_symbol=service)
+            files = next(stub.ServerReflectionInfo(iter([ask]))).file_descriptor_response
+            for raw in files.file_descriptor_proto:
+                fd = descriptor_pb2.FileDescriptorProto.FromString(raw)
+                for svc in fd.service:
+                    if f"{fd.package}.{svc.name}" == service:
+                        methods += [(f"/{service}/{m.name}", m.server_streaming) for m in svc.method]
+    return methods
+
+
+def _call(channel: grpc.Channel, method: str, streaming: bool) -> str:
+    try:
+        if streaming:
+            for _ in channel.unary_stream(method)(b"", timeout=3):
+                break
+        else:
+            channel.unary_unary(method)(b"", timeout=3)
+        return "answered"
+    except grpc.RpcError as exc:
+        code = exc.code()
+        if code == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or ""):
+            return "handshake refused"
+        return "denied" if code == grpc.StatusCode.PERMISSION_DENIED else "answered"
+
+
+def test_each_method_answers_only_the_roles_that_may_call_it(mesh, stranger):
+    callers = {"no credentials": None, "other CA": "stranger", **{r.value: r for r in Role}}
+    rows = []
+    for name, server_role in INTERNAL.items():
+        address = mesh.procs[name].address
+        for method, streaming in _methods(address, mesh, server_role):
+            if "WorkerService/Generate" in method:
+                continue   # an empty request would run nothing; covered by the worker test below
+            row = {}
+            for label, who in callers.items():
+                if who is None:
+                    channel = grpc.insecure_channel(address)
+                elif who == "stranger":
+                    channel = _stranger_channel(address, stranger, server_role, mesh)
+                else:
+                    channel = mtls.channel(address, MeshIdentity.from_env(who), server_role)
+                with channel:
+                    row[label] = _call(channel, method, streaming)
+            rows.append((f"{name:7} {method}", row))
+    width = max(len(m) for m, _ in rows)
+    print("\n  " + "method".ljust(width) + " | " + " | ".join(callers))
+    for method, row in rows:
+        print("  " + method.ljust(width) + " | " + " | ".join(row[c][:8].ljust(len(c)) for c in callers))
+    for method, row in rows:
+        assert row["no credentials"] == row["other CA"] == "handshake refused", method
+        for role in Role:
+            expected = "answered" if role in allowed_roles(method.split()[-1]) else "denied"
+            assert row[role.value] == expected, (method, role)
+    assert any("CostService/GetUsage" in m for m, _ in rows)
+
+
+def _kv(key, value):
+    if isinstance(value, bool):
+        return KeyValue(key=key, value=AnyValue(bool_value=value))
+    if isinstance(value, int):
+        return KeyValue(key=key, value=AnyValue(int_value=value))
+    return KeyValue(key=key, value=AnyValue(string_value=str(value)))
+
+
+def _forged_bill(request_id: str) -> trace_service_pb2.ExportTraceServiceRequest:
+    now = time.time_ns()
+    attrs = {"llmmesh.usage.final": True, "llmmesh.request.id": request_id,
+             "llmmesh.tenant.id": "globex", "gen_ai.request.model": "smollm2-135m-instruct",
+             "gen_ai.usage.input_tokens": 9_000_000, "gen_ai.usage.output_tokens": 9_000_000}
+    span = trace_pb2.Span(trace_id=uuid.uuid4().bytes, span_id=b"\x01" * 8, name="router dispatch",
+                          start_time_unix_nano=now - 10**9, end_time_unix_nano=now,
+                          attributes=[_kv(k, v) for k, v in attrs.items()])
+    return trace_service_pb2.ExportTraceServiceRequest(
+        resource_spans=[{"scope_spans": [{"spans": [span]}]}])
+
+
+def _ledger_rows(mesh, request_id: str) -> list[tuple]:
+    conn = sqlite3.connect(f"{mesh.var_dir}/ledger.sqlite")
+    try:
+        return conn.execute("SELECT tenant_id, prompt_tokens, completion_tokens FROM usage_records "
+                            "WHERE request_id = ?", (request_id,)).fetchall()
+    finally:
+        conn.close()
+
+
+def test_forged_bills_bill_nothing_and_the_real_request_is_billed_once(mesh, gateway, stranger):
+    request_id = f"forged-{uuid.uuid4().hex[:8]}"
+    address = mesh.procs["costd"].address
+    outcomes = {}
+    for label in ("no cert", "other CA", "worker", "gateway", "admin"):
+        if label == "no cert":
+            channel = _no_cert_channel(address, Role.COSTD, mesh)
+        elif label == "other CA":
+            channel = _stranger_channel(address, stranger, Role.COSTD, mesh)
+        else:
+            channel = mtls.channel(address, MeshIdentity.from_env(Role(label)), Role.COSTD)
+        with channel:
+            try:
+                reply = trace_service_pb2_grpc.TraceServiceStub(channel).Export(
+                    _forged_bill(request_id), timeout=5)
+                outcomes[label] = f"rejected {reply.partial_success.rejected_spans}"
+            except grpc.RpcError as exc:
+                outcomes[label] = exc.code().name
+    print(f"\n  forged bills for globex: {outcomes}")
+    assert outcomes == {"no cert": "UNAVAILABLE", "other CA": "UNAVAILABLE", "worker": "rejected 1",
+                        "gateway": "rejected 1", "admin": "PERMISSION_DENIED"}
+    assert "billing spans are accepted only from router identities" in open(
+        f"{mesh.log_dir}/costd.log").read()
+    assert _ledger_rows(mesh, request_id) == []
+    # The real request under the same id is billed once, with its real tokens, to its tenant.
+    req = chat("Say hi.", 4)
+    req.request_id = request_id
+    done = gateway.Complete(gateway_pb2.CompleteRequest(request=req), metadata=auth(DEMO_KEYS["globex"]),
+                            timeout=120)
+    u = done.final.usage
+    rows = wait_until(lambda: _ledger_rows(mesh, request_id), 20, what="the real request's bill")
+    assert rows == [("globex", u.prompt_tokens, u.completion_tokens)]
+
+
+def test_a_worker_runs_requests_only_for_routers(mesh):
+    address = mesh.procs["worker0"].address
+    request_id = f"direct-{uuid.uuid4().hex[:8]}"
+    request = worker_pb2.WorkerGenerateRequest(
+        request_id=request_id, result_stream=queue.result_stream(request_id), tenant_id="globex", model="smollm2-135m-instruct",
+        prompt_token_ids=[1, 2, 3, 4], sampling=common_pb2.SamplingParams(max_tokens=2),
+        cache_salt="scope:globex", num_original_prompt_tokens=4,
+        request_class=common_pb2.REQUEST_CLASS_INTERACTIVE)
+    results = {}
+    for role in Role:
+        with mtls.channel(address, MeshIdentity.from_env(role), Role.WORKER) as channel:
+            try:
+                replies = list(worker_pb2_grpc.WorkerServiceStub(channel).Generate(request, timeout=30))
+                results[role.value] = f"ran ({len(replies)} messages)"
+            except grpc.RpcError as exc:
+                results[role.value] = exc.code().name
+    print(f"\n  WorkerService.Generate by role: {results}")
+    assert results.pop("router").startswith("ran")
+    assert set(results.values()) == {"PERMISSION_DENIED"}
