@@ -64,11 +64,11 @@ class Frontend:
                        deadline_unix_ns: int) -> AsyncIterator[TokensOut | FinalOut]:
         request_class = tenant.cap_class(req.requested_class)
         with self.tracer.start_as_current_span("gateway generate") as span:
+            entry = self.build_entry(tenant, req, request_class, deadline_unix_ns)
             span.set_attributes({
                 telemetry.OPERATION: "text_completion", telemetry.REQUEST_MODEL: req.model.name,
-                telemetry.TENANT_ID: tenant.tenant_id, telemetry.REQUEST_ID: req.request_id,
-                telemetry.REQUEST_CLASS: request_class})
-            entry = self.build_entry(tenant, req, request_class, deadline_unix_ns)
+                telemetry.TENANT_ID: tenant.tenant_id, telemetry.REQUEST_ID: entry.request_id,
+                telemetry.CLIENT_REQUEST_ID: req.request_id, telemetry.REQUEST_CLASS: request_class})
             try:
                 enqueue = asyncio.ensure_future(
                     self._admit_and_enqueue(tenant, req, entry, deadline_unix_ns))
@@ -80,9 +80,9 @@ class Frontend:
                     # tenant's, or this client's retry), which a cancel would abort.
                     with contextlib.suppress(Exception):
                         await asyncio.shield(enqueue)
-                        await self._cancel(req.request_id)
+                        await self._cancel(entry.request_id)
                     raise
-                async for out in self._relay(req, request_class, deadline_unix_ns):
+                async for out in self._relay(req, entry.request_id, request_class, deadline_unix_ns):
                     if isinstance(out, FinalOut):
                         span.set_attributes({
                             telemetry.INPUT_TOKENS: out.usage.get("prompt_tokens", 0),
@@ -97,8 +97,8 @@ class Frontend:
         in one round trip (llmmesh.admission's enqueue script), the only one before a router
         can read the request.
 
-        One result stream per request id: claiming the id keeps two requests (or two tenants)
-        from ever sharing a stream.
+        The claim is per (tenant, client request id); the entry's own id is unique per
+        admission (queue.mesh_request_id), so no two requests ever share a stream or a bill.
         """
         if deadline_unix_ns and time.time_ns() >= deadline_unix_ns:
             raise DeadlineExceeded("deadline passed before the request was queued")
@@ -114,12 +114,12 @@ class Frontend:
         # Each admission holds its own reservation: a client re-sending a request id that is
         # still running gets ALREADY_EXISTS and must never touch the running request's
         # concurrency slot or settle marker.
-        reservation_id = f"{req.request_id}#{secrets.token_hex(4)}"
+        reservation_id = f"{entry.request_id}#{secrets.token_hex(4)}"
         budget_key = admission_keys(tenant.tenant_id, period)[3] if plan.token_budget else ""
         # The entry carries its reservation, so whoever ends the request settles it.
         entry.reservation = Reservation(tenant.tenant_id, reservation_id, need, budget_key).to_dict()
         code, retry_s = await self.admission.admit_and_enqueue(
-            claim_key=f"{queue.PREFIX}:req:{{{entry.request_id}}}", claim_value=entry.tenant_id,
+            claim_key=queue.claim_key(tenant.tenant_id, req.request_id), claim_value=entry.request_id,
             claim_ttl_s=queue.RESULT_TTL_S, stream=queue.queue_stream(entry.request_class),
             max_len=self.config.max_queue_len, fields=entry.encode(),
             tenant_id=tenant.tenant_id, request_id=reservation_id,
@@ -127,7 +127,7 @@ class Frontend:
             max_concurrent=plan.max_concurrent, budget=plan.token_budget, period=period,
             period_end_s=period_end_s, tokens=need, lease_s=max(1.0, lease_s))
         if code == ALREADY_USED:
-            raise AlreadyExists(f"request_id {entry.request_id!r} was already used")
+            raise AlreadyExists(f"request_id {req.request_id!r} was already used")
         if code == QUEUE_FULL:
             raise ResourceExhausted(f"{entry.request_class} queue is full", retry_after_s=retry_s)
         if code:
@@ -138,17 +138,18 @@ class Frontend:
         # The salt comes from the tenant's configured scope, never from the client.
         salt = f"scope:{tenant.cache_scope}"
         return queue.QueueEntry(
-            request_id=req.request_id, tenant_id=tenant.tenant_id, request_class=request_class,
+            request_id=queue.mesh_request_id(tenant.tenant_id, req.request_id),
+            tenant_id=tenant.tenant_id, request_class=request_class,
             model=req.model.name, prompt_token_ids=req.prompt_token_ids, sampling=req.sampling,
             cache_salt=salt,
             block_hashes=block_hashes(req.prompt_token_ids, self.config.block_size, salt),
             deadline_unix_ns=deadline_unix_ns, enqueued_unix_ns=time.time_ns(),
             traceparent=telemetry.inject_traceparent())
 
-    async def _relay(self, req: ValidRequest, request_class: str,
+    async def _relay(self, req: ValidRequest, request_id: str, request_class: str,
                      deadline_unix_ns: int) -> AsyncIterator[TokensOut | FinalOut]:
         detok = TextStream(req.model.tokenizer, req.sampling.get("stop"))
-        stream, last_id, finished, next_index = queue.result_stream(req.request_id), "0-0", False, 0
+        stream, last_id, finished, next_index = queue.result_stream(request_id), "0-0", False, 0
         try:
             while True:
                 if deadline_unix_ns and time.time_ns() > deadline_unix_ns:
@@ -177,7 +178,7 @@ class Frontend:
                             raise error_from_code(event["code"], event["message"])
         finally:
             if not finished:
-                await self._cancel(req.request_id)
+                await self._cancel(request_id)
 
     async def _cancel(self, request_id: str) -> None:
         # Runs while the client call is being torn down: never let it raise.

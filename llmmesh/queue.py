@@ -7,6 +7,7 @@ Redis Cluster slot.
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -26,6 +27,19 @@ def queue_stream(request_class: str) -> str:
     if request_class not in CLASSES:
         raise ValueError(f"unknown request class {request_class!r}")
     return f"{PREFIX}:q:{request_class}"
+
+
+def mesh_request_id(tenant_id: str, client_request_id: str) -> str:
+    """The id a request carries inside the mesh: its queue entry, result stream, cancel key and
+    ledger row. Scoped by tenant and unique per admission, so two tenants' equal ids never meet
+    and an id reused after its claim expired is a new request, billed anew."""
+    return f"{tenant_id}/{client_request_id}/{secrets.token_hex(6)}"
+
+
+def claim_key(tenant_id: str, client_request_id: str) -> str:
+    """Held while a client's request id is in use (its value: the mesh request id); per tenant,
+    so no tenant learns which ids another uses."""
+    return f"{PREFIX}:req:{{{tenant_id}/{client_request_id}}}"
 
 
 def result_stream(request_id: str) -> str:

@@ -54,8 +54,12 @@ class SpanCapture(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
     def for_request(self, request_id: str) -> list[dict]:
+        """The spans of one request, found by the id its client was told (the gateway's span
+        maps it to the mesh's own id, which the router and worker spans carry)."""
         with self.lock:
-            return [s for s in self.spans if s["attributes"].get("llmmesh.request.id") == request_id]
+            mesh_ids = {s["attributes"].get("llmmesh.request.id") for s in self.spans
+                        if s["attributes"].get("llmmesh.request.client_id") == request_id}
+            return [s for s in self.spans if s["attributes"].get("llmmesh.request.id") in mesh_ids]
 
     def stop(self):
         self.server.stop(0)

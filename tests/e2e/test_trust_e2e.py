@@ -170,10 +170,12 @@ def _forged_bill(request_id: str) -> trace_service_pb2.ExportTraceServiceRequest
 
 
 def _ledger_rows(mesh, request_id: str) -> list[tuple]:
+    """Rows whose id is `request_id`, or a mesh id made from it (tenant/request_id/nonce)."""
     conn = sqlite3.connect(f"{mesh.var_dir}/ledger.sqlite")
     try:
         return conn.execute("SELECT tenant_id, prompt_tokens, completion_tokens FROM usage_records "
-                            "WHERE request_id = ?", (request_id,)).fetchall()
+                            "WHERE request_id = ? OR request_id LIKE ?",
+                            (request_id, f"%/{request_id}/%")).fetchall()
     finally:
         conn.close()
 
@@ -231,3 +233,33 @@ def test_a_worker_runs_requests_only_for_routers(mesh):
     print(f"\n  WorkerService.Generate by role: {results}")
     assert results.pop("router").startswith("ran")
     assert set(results.values()) == {"PERMISSION_DENIED"}
+
+
+def test_request_ids_are_scoped_by_tenant_and_a_reused_id_is_billed_again(mesh, gateway):
+    import redis as redis_client
+    from concurrent.futures import ThreadPoolExecutor
+    request_id = f"shared-{uuid.uuid4().hex[:8]}"
+
+    def complete(tenant: str, max_tokens: int):
+        req = chat("Count from one to ten.", max_tokens)
+        req.request_id = request_id
+        return gateway.Complete(gateway_pb2.CompleteRequest(request=req),
+                                metadata=auth(DEMO_KEYS[tenant]), timeout=120)
+
+    # The same id from two tenants at once: neither is refused, each gets its own completion.
+    with ThreadPoolExecutor(2) as pool:
+        acme, globex = pool.map(lambda a: complete(*a), [("acme", 3), ("globex", 7)])
+    assert (acme.final.request_id, globex.final.request_id) == (request_id, request_id)
+    assert (len(acme.token_ids), len(globex.token_ids)) == (3, 7)
+    # The claim expires (shortened here by deleting it); the same id again is a new request.
+    redis_client.Redis.from_url(mesh.redis_url).delete(queue.claim_key("acme", request_id))
+    again = complete("acme", 5)
+    assert len(again.token_ids) == 5
+
+    def billed():
+        rows = sorted(_ledger_rows(mesh, request_id))
+        return rows if len(rows) == 3 else None
+    rows = wait_until(billed, 20, what="three bills")
+    assert rows == sorted([("acme", acme.final.usage.prompt_tokens, 3),
+                           ("acme", again.final.usage.prompt_tokens, 5),
+                           ("globex", globex.final.usage.prompt_tokens, 7)])

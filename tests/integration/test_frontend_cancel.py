@@ -47,7 +47,8 @@ def test_cancel_during_enqueue_aborts_only_what_was_enqueued(redis_server, outco
         release.set()                          # then the script's reply arrives
         with pytest.raises(asyncio.CancelledError):
             await task
-        cancelled = await client.exists(queue.cancel_key("shared-id"))
+        # Cancel keys name the mesh's id for the request: acme/shared-id/<nonce>.
+        cancelled = len(await client.keys(queue.cancel_key("acme/shared-id/*")))
         await client.aclose()
         return cancelled
     cancelled = asyncio.run(body())

@@ -190,7 +190,7 @@ def test_duplicate_request_id_is_refused_without_touching_the_first_ones_reserva
         key = auth("llmmesh-test-capped")
         first = futures.ThreadPoolExecutor(1).submit(
             lambda: stub.Complete(gateway_pb2.CompleteRequest(request=req), metadata=key, timeout=4))
-        claim = f"{queue.PREFIX}:req:{{dup-1}}"
+        claim = queue.claim_key("capped", "dup-1")
         wait_until(lambda: r.exists(claim), 10, what="the first request to be queued")
         budget = [k for k in r.keys(f"{queue.PREFIX}:budget:*")]
         assert len(budget) == 1
@@ -259,7 +259,7 @@ def test_interactive_request_cancelled_while_queued_is_aborted_unbilled(mesh):
     call = stub.Generate(chat("Hello?", 8), metadata=auth(DEMO_KEYS["acme"]), timeout=60)
     wait_until(lambda: r.keys(f"{queue.PREFIX}:req:*"), 10, what="the request to be queued")
     (claim,) = r.keys(f"{queue.PREFIX}:req:*")
-    request_id = claim.split("{", 1)[1].rstrip("}")
+    request_id = r.get(claim)   # the mesh's id for the request
     call.cancel()                                    # the gateway records and publishes it
     wait_until(lambda: r.exists(queue.cancel_key(request_id)), 10, what="the cancel to be recorded")
     worker = AbortableWorker()
