@@ -15,6 +15,7 @@ from gateway.validation import ServedModel
 from llmmesh import server, telemetry
 from llmmesh.identity import Role
 from llmmesh.mtls import MeshIdentity
+from llmmesh.supervisor import Supervisor, redis_check
 from llmmesh.models import DEFAULT_MODEL, read_context_length, resolve_model
 from llmmesh.tokenizer import Tokenizer
 from llmmesh.v1 import gateway_pb2, gateway_pb2_grpc
@@ -54,11 +55,15 @@ async def main() -> None:
     spec = resolve_model(args.model)
     model = ServedModel(spec.name, read_context_length(spec.gguf_path), args.quantization,
                         Tokenizer.from_gguf(spec.gguf_path))
-    redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True,
+    # socket_timeout well above the relay's 500 ms XREAD block: a hung Redis cannot hang a call.
+    redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True, socket_timeout=5.0,
                                     socket_connect_timeout=2.0, health_check_interval=10)
     frontend = Frontend(redis, FrontendConfig(block_size=args.block_size), tracer)
     servicer = GatewayServicer(frontend, TenantBook(args.tenants), {model.name: model}, model.name,
                                BatchJobs(redis, frontend))
+
+    supervisor = Supervisor()   # no loops of its own: health follows Redis, its queue store
+    supervisor.add_check("redis", redis_check(redis))
 
     async def close():
         await redis.aclose()
@@ -67,7 +72,7 @@ async def main() -> None:
     await server.serve(server.ServiceSpec(
         servicers=[(gateway_pb2_grpc.add_GatewayServiceServicer_to_server, servicer)],
         service_names=[gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name],
-        on_shutdown=[close], public=True,
+        on_shutdown=[close], public=True, healthy=supervisor.healthy,
         public_tls=(args.tls_cert, args.tls_key) if args.tls_cert else None), args.listen)
 
 

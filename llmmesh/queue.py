@@ -17,6 +17,11 @@ PREFIX = "llmmesh"
 CLASSES = ("interactive", "batch")
 ROUTER_GROUP = "routers"
 DEAD_LETTER_STREAM = f"{PREFIX}:q:dead"
+# The dead-letter stream keeps about this many records (XADD MAXLEN ~): an operator's view of
+# what failed lately, never a store that grows without bound.
+DEAD_LETTER_MAXLEN = 10_000
+# An entry delivered this many times (XPENDING's count: every router that took it) is dead-lettered.
+MAX_DELIVERIES = 3
 CANCEL_CHANNEL = f"{PREFIX}:cancel"
 WORKER_KEY_PREFIX = f"{PREFIX}:worker:"
 # Result streams outlive their request briefly so a reconnecting gateway can still read them.
@@ -92,6 +97,22 @@ class QueueEntry:
 
 
 _ENTRY_FIELDS = tuple(f.name for f in fields(QueueEntry))
+
+
+def dead_letter_record(*, entry_id: str, request_class: str, reason: str,
+                       entry: QueueEntry | None = None, deliveries: int = 0) -> dict[str, str]:
+    """What the dead-letter stream keeps of a failed entry: who, which model, why — never the
+    prompt (its tokens are the prompt's text) or the sampling parameters."""
+    record = {"entry_id": entry_id, "class": request_class, "reason": reason[:500],
+              "deliveries": str(deliveries)}
+    if entry is not None:
+        record.update(request_id=entry.request_id, tenant_id=entry.tenant_id, model=entry.model,
+                      num_prompt_tokens=str(len(entry.prompt_token_ids)))
+    return record
+
+
+async def dead_letter(redis, record: dict[str, str]) -> None:
+    await redis.xadd(DEAD_LETTER_STREAM, record, maxlen=DEAD_LETTER_MAXLEN, approximate=True)
 
 
 def tokens_event(index: int, token_ids: list[int], logprobs: list[float] | None = None,

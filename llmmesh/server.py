@@ -89,6 +89,9 @@ class ServiceSpec:
     identity: MeshIdentity | None = None
     public: bool = False
     public_tls: tuple[str, str] | None = None
+    # Whether the service can do its job now (llmmesh.supervisor.Supervisor.healthy): polled,
+    # and grpc.health.v1 says NOT_SERVING while it answers False.
+    healthy: Callable[[], Awaitable[bool]] | None = None
 
     def __post_init__(self):
         if (self.identity is None) == (not self.public):
@@ -128,6 +131,7 @@ async def serve(spec: ServiceSpec, listen: str, *, grace_s: float = 5.0,
     await server.start()
     for name in ["", *spec.service_names]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    watch = asyncio.create_task(_report_health(spec, health_servicer)) if spec.healthy else None
     log.info("serving %s on %s", ", ".join(spec.service_names), address)
     if ready:
         ready(address)
@@ -137,10 +141,33 @@ async def serve(spec: ServiceSpec, listen: str, *, grace_s: float = 5.0,
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("stopping: draining calls for up to %.1fs", grace_s)
+    if watch is not None:
+        watch.cancel()
     await health_servicer.enter_graceful_shutdown()
     await server.stop(grace_s)
     for hook in spec.on_shutdown:
         await hook()
+
+
+HEALTH_POLL_S = 0.5
+
+
+async def _report_health(spec: ServiceSpec, health_servicer) -> None:
+    serving = True
+    while True:
+        await asyncio.sleep(HEALTH_POLL_S)
+        try:
+            now = await spec.healthy()
+        except Exception:  # noqa: BLE001 - a health source that fails says "not serving"
+            log.exception("health source failed")
+            now = False
+        if now != serving:
+            serving = now
+            status = (health_pb2.HealthCheckResponse.SERVING if now
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            log.warning("health: %s", health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+            for name in ["", *spec.service_names]:
+                await health_servicer.set(name, status)
 
 
 def _probe_channel(address: str, caller: MeshIdentity | None, server_role: Role | None):

@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 from llmmesh import server, telemetry
 from llmmesh.identity import Role
 from llmmesh.mtls import MeshIdentity
+from llmmesh.supervisor import Supervisor, redis_check
 from router.dispatcher import Dispatcher, DispatcherConfig
 from router.fairness import ClassPolicy
 from router.policy import POLICIES, make_policy
@@ -46,19 +47,22 @@ async def main() -> None:
                                 batch_min_share=args.batch_min_share),
                                 claim_idle_ms=args.claim_idle_ms, heartbeat_s=args.heartbeat_s),
                             tracer)
-    tasks = [asyncio.create_task(t) for t in (registry.run(), dispatcher.run(), dispatcher.watch_cancels(), dispatcher.reclaim())]
+    supervisor = Supervisor()
+    for name, loop in (("registry", registry.run), ("dispatch", dispatcher.run),
+                       ("cancels", dispatcher.watch_cancels), ("reclaim", dispatcher.reclaim)):
+        supervisor.start(name, loop)
+    supervisor.add_check("redis", redis_check(redis))
 
     async def close():
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await supervisor.stop()
         await registry.close()
         await redis.aclose()
         telemetry.shutdown_tracing()
 
     # The router serves only grpc.health.v1 (and reflection) so orchestrators can probe it.
     await server.serve(server.ServiceSpec(servicers=[], service_names=[], on_shutdown=[close],
-                                          identity=identity), args.listen)
+                                          identity=identity, healthy=supervisor.healthy),
+                       args.listen)
 
 
 if __name__ == "__main__":

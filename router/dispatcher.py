@@ -75,6 +75,7 @@ class Dispatcher:
         self.running: dict[str, Held] = {}       # request id -> entry being served
         self._slot_freed = asyncio.Event()
         self._batch_inflight = 0
+        self._side_tasks: set[asyncio.Task] = set()
 
     async def ensure_groups(self) -> None:
         for cls in queue.CLASSES:
@@ -133,11 +134,33 @@ class Dispatcher:
     def _hold(self, cls: str, entry_id: str, fields: dict, fresh: bool = False) -> None:
         if (cls, entry_id) in self.held:
             return
-        entry = queue.QueueEntry.decode(fields)
+        try:
+            entry = queue.QueueEntry.decode(fields)
+        except (ValueError, TypeError, KeyError) as exc:
+            # A rolling upgrade's new field, or a stranger's write: never fatal to the loop.
+            log.error("undecodable %s entry %s (%s): dead-lettered", cls, entry_id, exc)
+            self._spawn(self._drop_undecodable(cls, entry_id, f"undecodable: {exc}"))
+            return
         held = Held(cls, entry_id, RequestProgress(entry), fresh)
         self.held[cls, entry_id] = held
         cost = len(entry.prompt_token_ids) + int(entry.sampling.get("max_tokens", 0))
         self.sched.push(cls, entry.tenant_id, held, cost)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
+    async def _drop_undecodable(self, cls: str, entry_id: str, reason: str) -> None:
+        try:
+            await queue.dead_letter(self.redis, queue.dead_letter_record(
+                entry_id=entry_id, request_class=cls, reason=reason))
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.xack(queue.queue_stream(cls), queue.ROUTER_GROUP, entry_id)
+                pipe.xdel(queue.queue_stream(cls), entry_id)
+                await pipe.execute()
+        except RedisError as exc:   # left pending: the next takeover tries again
+            log.warning("could not dead-letter %s entry %s: %s", cls, entry_id, exc)
 
     def _dispatch_ready(self) -> None:
         while True:
@@ -236,6 +259,10 @@ class Dispatcher:
             raise RequestFailed("DEADLINE_EXCEEDED", "deadline passed while the request was queued")
         if cancelled_early:
             raise RequestFailed("CANCELLED", "request cancelled before it started")
+        if p.give_up is not None:
+            await queue.dead_letter(self.redis, queue.dead_letter_record(
+                entry_id="", request_class=e.request_class, entry=e, reason=p.give_up))
+            raise RequestFailed("UNAVAILABLE", f"{p.give_up}; retry later")
         while p.attempts < MAX_ATTEMPTS:
             if p.cancelled:
                 raise RequestFailed("CANCELLED", "request cancelled by the client")
@@ -254,7 +281,9 @@ class Dispatcher:
                 device = worker.load.device_type if worker.load else ""
                 return reason, device
             worker.healthy = False  # until its lease is renewed and a probe succeeds
-        await self.redis.xadd(queue.DEAD_LETTER_STREAM, p.entry.encode())
+        await queue.dead_letter(self.redis, queue.dead_letter_record(
+            entry_id="", request_class=e.request_class, entry=e, deliveries=p.attempts,
+            reason=f"failed on {MAX_ATTEMPTS} workers"))
         raise RequestFailed("UNAVAILABLE", f"request failed on {MAX_ATTEMPTS} workers; retry later")
 
     async def _check_cancelled_early(self, p: RequestProgress) -> bool:
@@ -314,9 +343,21 @@ class Dispatcher:
                 start_id="0-0", count=self.config.prefetch)
             for entry_id, fields in claimed:
                 if fields and (cls, entry_id) not in self.held:
-                    log.warning("took over %s entry %s from a stopped router", cls, entry_id)
+                    deliveries = await self._deliveries(stream, entry_id)
+                    log.warning("took over %s entry %s from a stopped router (delivery %d)",
+                                cls, entry_id, deliveries)
                     self._hold(cls, entry_id, fields)
+                    held = self.held.get((cls, entry_id))
+                    if held is not None and deliveries > queue.MAX_DELIVERIES:
+                        held.progress.give_up = (f"request delivered to {deliveries} routers "
+                                                 "without ending")
         self._dispatch_ready()
+
+    async def _deliveries(self, stream: str, entry_id: str) -> int:
+        """How many times the group delivered the entry (counted by Redis, across routers)."""
+        info = await self.redis.xpending_range(stream, queue.ROUTER_GROUP, min=entry_id,
+                                               max=entry_id, count=1)
+        return int(info[0]["times_delivered"]) if info else 0
 
     async def _pick(self, entry: queue.QueueEntry) -> WorkerHandle:
         while True:

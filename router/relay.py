@@ -51,6 +51,9 @@ class RequestProgress:
     attempts: int = 0
     worker_ids: list[str] = field(default_factory=list)
     cancelled: bool = False
+    # Set for an entry delivered more than queue.MAX_DELIVERIES times (routers kept dying with
+    # it, or it kills them): it ends in UNAVAILABLE instead of running again.
+    give_up: str | None = None
     # Set when the result stream shows the request already ended on a worker (its last chunk
     # carries an end marker) or holds all max_tokens: nothing is left to run, only to finish.
     end_reason: str | None = None

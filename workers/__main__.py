@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 from llmmesh import queue, server, telemetry
 from llmmesh.identity import Role
 from llmmesh.mtls import MeshIdentity
+from llmmesh.supervisor import Supervisor, redis_check
 from llmmesh.models import DEFAULT_MODEL, resolve_model
 from llmmesh.tokenizer import Tokenizer
 from llmmesh.v1 import worker_pb2, worker_pb2_grpc
@@ -117,21 +118,23 @@ async def main() -> None:
     device_type = args.device if args.device != "cuda" else f"cuda:{_cuda_name()}"
     # Uptime reports from here on: costd bills idle capacity as uptime minus attributed time.
     capacity = asyncio.create_task(report_capacity(tracer, args.worker_id, device_type))
-    redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True, socket_connect_timeout=2.0)
+    # socket_timeout: a hung Redis fails a write in seconds instead of stalling the engine's output.
+    redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True, socket_connect_timeout=2.0,
+                                    socket_timeout=5.0)
     # The same connection pool writes the result streams of requests the router routes here.
     servicer = WorkerServicer(engine, Tokenizer.from_gguf(spec.gguf_path), spec.name, args.worker_id,
                               device_type, quantization, tracer, results=redis)
-    lease_task: list[asyncio.Task] = []
+    supervisor = Supervisor()
+    supervisor.add_check("redis", redis_check(redis))
 
     def ready(address: str) -> None:
         lease = {"worker_id": args.worker_id, "address": args.advertise or address, "model": spec.name,
                  "max_inflight": args.max_num_seqs + max(2, args.max_num_seqs // 4), "device_type": device_type}
-        lease_task.append(asyncio.create_task(keep_lease(redis, args.worker_id, lease)))
-        lease_task.append(asyncio.create_task(publish_cache_index(redis, args.worker_id, engine)))
+        supervisor.start("lease", lambda: keep_lease(redis, args.worker_id, lease))
+        supervisor.start("cache-index", lambda: publish_cache_index(redis, args.worker_id, engine))
 
     async def close():
-        for t in lease_task:
-            t.cancel()
+        await supervisor.stop()
         with contextlib.suppress(RedisError):
             await redis.delete(queue.worker_key(args.worker_id), queue.worker_cache_key(args.worker_id))
         await redis.aclose()
@@ -144,7 +147,7 @@ async def main() -> None:
     await server.serve(server.ServiceSpec(
         servicers=[(worker_pb2_grpc.add_WorkerServiceServicer_to_server, servicer)],
         service_names=[worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name],
-        on_shutdown=[close], identity=identity), args.listen, ready=ready)
+        on_shutdown=[close], identity=identity, healthy=supervisor.healthy), args.listen, ready=ready)
 
 
 def _cuda_name() -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import threading
 import time
 from concurrent import futures
@@ -87,7 +88,9 @@ def test_request_failing_on_3_workers_is_dead_lettered_and_the_client_told(mesh,
     assert failing.calls == 3
     dead = redis.Redis.from_url(mesh.redis_url).xrange(queue.DEAD_LETTER_STREAM)
     assert len(dead) == 1
-    assert queue.QueueEntry.decode({k.decode(): v for k, v in dead[0][1].items()}).tenant_id == "acme"
+    record = {k.decode(): v.decode() for k, v in dead[0][1].items()}
+    assert record["tenant_id"] == "acme" and record["reason"] == "failed on 3 workers"
+    assert "d" not in record and "prompt_token_ids" not in record   # no prompt kept
     wait_until(lambda: _pending(mesh) == 0, 10, what="the entry to be acknowledged")
 
 
@@ -349,3 +352,33 @@ def test_taken_over_entry_that_had_ended_is_finished_not_rerun(mesh, failing, en
     assert final["finish_reason"] == ("stop" if end else "length")
     assert final["usage"]["completion_tokens"] == (3 if end else 4)
     assert failing.calls == 0
+
+
+def _health(address: str, role: Role | None) -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    channel = (mtls.channel(address, MeshIdentity.from_env(Role.ADMIN), role) if role
+               else grpc.insecure_channel(address))
+    with channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        except grpc.RpcError as exc:
+            return exc.code().name
+
+
+def test_health_says_not_serving_while_redis_is_down_and_serving_after(mesh):
+    router, gateway = mesh.procs["router"].address, mesh.procs["gateway"].address
+    both = lambda: (_health(router, Role.ROUTER), _health(gateway, None))  # noqa: E731
+    assert both() == ("SERVING", "SERVING")
+    port = int(mesh.procs["redis"].address.rsplit(":", 1)[1])
+    mesh.stop_one("redis", signal.SIGKILL)
+    started = time.monotonic()
+    wait_until(lambda: both() == ("NOT_SERVING", "NOT_SERVING"), 5, what="NOT_SERVING")
+    print(f"\n  NOT_SERVING {time.monotonic() - started:.1f}s after Redis died")
+    mesh.start_redis(port)
+    wait_until(lambda: both() == ("SERVING", "SERVING"), 10, what="SERVING again")
+    # Admitting again: with no worker the request ends at its deadline, not in a hang.
+    with pytest.raises(grpc.RpcError) as info:
+        _stub(mesh).Complete(gateway_pb2.CompleteRequest(request=chat("Hello?", 2)),
+                             metadata=auth(DEMO_KEYS["acme"]), timeout=3)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

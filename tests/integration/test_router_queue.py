@@ -107,3 +107,71 @@ def test_queue_time_counts_from_enqueue_not_from_the_worker(redis_server, waited
         return p.usage()["queue_s"]
     queue_s = asyncio.run(_with_worker(redis_server.url, body))
     assert waited_s + WORKER_QUEUE_S <= queue_s < waited_s + WORKER_QUEUE_S + 0.5
+
+
+async def _until(predicate, timeout_s: float = 5.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while not (value := await predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+    return value
+
+
+def test_an_undecodable_entry_is_dead_lettered_and_the_loop_goes_on(redis_server):
+    async def body(redis, registry, worker):
+        dispatcher = Dispatcher(redis, registry, make_policy("least-load"),
+                                DispatcherConfig(consumer="r1"), trace.get_tracer("test"))
+        await dispatcher.ensure_groups()
+        stream = queue.queue_stream("interactive")
+        bad = await redis.xadd(stream, {"d": '{"request_id": "x", "a_field_from_the_future": 1}'})
+        await redis.xadd(stream, _entry("req-good", "interactive").encode())
+        run = asyncio.create_task(dispatcher.run())
+        try:
+            await _until(lambda: asyncio.sleep(0, worker.request_ids == ["req-good"]), what="the good one")
+            dead = await _until(lambda: redis.xrange(queue.DEAD_LETTER_STREAM), what="a dead letter")
+            assert not run.done()
+            assert dead[0][1]["entry_id"] == bad and "undecodable" in dead[0][1]["reason"]
+            await _until(lambda: asyncio.sleep(0, not dispatcher.held), what="the good one to end")
+            assert (await redis.xpending(stream, queue.ROUTER_GROUP))["pending"] == 0
+            assert await redis.xlen(stream) == 0
+        finally:
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+    asyncio.run(_with_worker(redis_server.url, body))
+
+
+def test_an_entry_delivered_past_the_limit_is_dead_lettered_once_taken_over(redis_server):
+    """Routers that read an entry and died: Redis counts each delivery. The entry a fourth
+    router takes over ends in UNAVAILABLE (told to its client, kept without its prompt in the
+    dead-letter stream); one delivered once before is simply run."""
+    async def body(redis, registry, worker):
+        config = DispatcherConfig(consumer="live", claim_idle_ms=200, heartbeat_s=0.05)
+        dispatcher = Dispatcher(redis, registry, make_policy("least-load"), config,
+                                trace.get_tracer("test"))
+        await dispatcher.ensure_groups()
+        stream = queue.queue_stream("batch")
+        poison = await redis.xadd(stream, _entry("req-poison", "batch").encode())
+        await redis.xreadgroup(queue.ROUTER_GROUP, "dead-0", {stream: ">"}, count=1)
+        for dead in ("dead-1", "dead-2"):        # two more routers took it over and died
+            await redis.xclaim(stream, queue.ROUTER_GROUP, dead, 0, [poison])
+        await redis.xadd(stream, _entry("req-once", "batch").encode())
+        await redis.xreadgroup(queue.ROUTER_GROUP, "dead-3", {stream: ">"}, count=1)
+        await asyncio.sleep(0.25)                # both idle past claim_idle_ms
+        tasks = [asyncio.create_task(dispatcher.run()), asyncio.create_task(dispatcher.reclaim())]
+        try:
+            await _until(lambda: asyncio.sleep(0, "req-once" in worker.request_ids), what="req-once")
+            events = await _until(lambda: redis.xrange(queue.result_stream("req-poison")),
+                                  what="the poisoned request's end")
+            end = queue.decode_event(events[-1][1])
+            assert end["kind"] == "error" and end["code"] == "UNAVAILABLE", end
+            assert "req-poison" not in worker.request_ids
+            (record,) = [f for _, f in await redis.xrange(queue.DEAD_LETTER_STREAM)]
+            assert record["request_id"] == "req-poison" and record["tenant_id"] == "acme"
+            assert "prompt_token_ids" not in record and "[1, 2, 3]" not in str(record)
+            assert await _until(lambda: asyncio.sleep(0, not dispatcher.held), what="both to end")
+            assert (await redis.xpending(stream, queue.ROUTER_GROUP))["pending"] == 0
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    asyncio.run(_with_worker(redis_server.url, body))

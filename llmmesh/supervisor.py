@@ -1,0 +1,90 @@
+"""Background tasks that cannot die silently, and the health they report.
+
+A `Supervisor` runs each of a service's loops (queue reading, lease refresh, cancel watching…):
+a loop that raises is logged with its traceback and started again after a jittered, growing
+delay, and while any loop is down — or a dependency check fails (Redis unreachable) — the
+service's grpc.health.v1 status is NOT_SERVING (llmmesh.server polls `healthy()`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+
+log = logging.getLogger("llmmesh.supervisor")
+
+BACKOFF_FIRST_S = 0.1
+BACKOFF_MAX_S = 5.0
+# A loop that ran this long before failing starts again from the first delay.
+STABLE_AFTER_S = 30.0
+
+
+class Supervisor:
+    def __init__(self) -> None:
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.down: dict[str, str] = {}          # loop name -> why it is not running now
+        self.checks: dict[str, Callable[[], Awaitable[bool]]] = {}
+        self._failed_checks: set[str] = set()
+        self.num_restarts = 0
+
+    def start(self, name: str, loop: Callable[[], Awaitable[None]]) -> asyncio.Task:
+        task = asyncio.create_task(self._keep_running(name, loop), name=name)
+        self.tasks[name] = task
+        return task
+
+    def add_check(self, name: str, check: Callable[[], Awaitable[bool]]) -> None:
+        """A dependency probe (returns False or raises when the service cannot do its job)."""
+        self.checks[name] = check
+
+    async def _keep_running(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
+        failures = 0
+        while True:
+            started = time.monotonic()
+            try:
+                await loop()
+                reason = "returned"       # loops run forever: returning is a failure too
+                log.error("background task %s returned; starting it again", name)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the one place a loop's failure is caught
+                reason = f"{type(exc).__name__}: {exc}"
+                log.exception("background task %s failed; starting it again", name)
+            if time.monotonic() - started > STABLE_AFTER_S:
+                failures = 0
+            delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** failures) * random.uniform(0.5, 1.0)
+            failures += 1
+            self.num_restarts += 1
+            self.down[name] = reason
+            try:
+                await asyncio.sleep(delay)
+            finally:
+                self.down.pop(name, None)
+
+    async def healthy(self) -> bool:
+        """False while a loop is down or a check fails; logs each change once."""
+        failed = set()
+        for name, check in self.checks.items():
+            try:
+                if not await asyncio.wait_for(check(), timeout=2.0):
+                    failed.add(name)
+            except Exception:  # noqa: BLE001 - a check that cannot answer has failed
+                failed.add(name)
+        for name in failed - self._failed_checks:
+            log.warning("health check %s failing: NOT_SERVING", name)
+        for name in self._failed_checks - failed:
+            log.info("health check %s passing again", name)
+        self._failed_checks = failed
+        return not failed and not self.down
+
+    async def stop(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+
+def redis_check(redis) -> Callable[[], Awaitable[bool]]:
+    async def ping() -> bool:
+        return bool(await redis.ping())
+    return ping
