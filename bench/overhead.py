@@ -47,9 +47,10 @@ async def _timed(target, spec) -> dict:
         else:
             usage = event
     tpot = (last - first) / (tokens - 1) if tokens > 1 else None
-    # The part of TTFT spent outside the engine: the worker's own queue and prefill time (the
-    # same work on both paths, and most of the run-to-run noise) taken out.
-    engine_s = usage.get("queue_s", 0.0) + usage.get("prefill_device_s", 0.0)
+    # The part of TTFT spent outside the engine: the prefill's device time (the same work on
+    # both paths, and most of the run-to-run noise) taken out. Not usage's queue time: through
+    # the mesh it counts from the gateway's enqueue, so it holds the very hops measured here.
+    engine_s = usage.get("prefill_device_s", 0.0)
     return {"ttft_s": first - sent, "tpot_s": tpot, "tokens": tokens,
             "ttft_outside_engine_s": first - sent - engine_s}
 
