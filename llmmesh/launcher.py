@@ -129,6 +129,8 @@ class Mesh:
         else:
             endpoints = [self.procs["costd"].address, *self.extra_otlp_endpoints]
             argv += ["--otlp-endpoint", ",".join(endpoints)]
+            if module == "router":   # bills go to costd alone, not to every trace receiver
+                argv += ["--costd", self.procs["costd"].address]
         proc = Proc(name, self._spawn(name, argv + (extra or []), {"REDIS_URL": self.redis_url or ""}),
                     address)
         self.procs[name] = proc

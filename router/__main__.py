@@ -16,6 +16,7 @@ from router.dispatcher import Dispatcher, DispatcherConfig
 from router.fairness import ClassPolicy
 from router.policy import POLICIES, make_policy
 from router.registry import WorkerRegistry
+from router.shipper import BillingShipper
 
 
 def _args() -> argparse.Namespace:
@@ -25,6 +26,8 @@ def _args() -> argparse.Namespace:
                    help="address of the router's health endpoint")
     p.add_argument("--redis-url", default=env("REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--otlp-endpoint", default=env("LLMMESH_OTLP_ENDPOINT"))
+    p.add_argument("--costd", default=env("LLMMESH_COSTD_ADDRESS"),
+                   help="where billing records are shipped (default: the first OTLP endpoint)")
     p.add_argument("--policy", choices=sorted(POLICIES), default=env("LLMMESH_ROUTER_POLICY", "prefix-affinity"))
     p.add_argument("--consumer", default=env("LLMMESH_ROUTER_ID", f"{socket.gethostname()}-{os.getpid()}"))
     p.add_argument("--claim-idle-ms", type=int, default=int(env("LLMMESH_CLAIM_IDLE_MS", "15000")),
@@ -47,15 +50,21 @@ async def main() -> None:
                                 batch_min_share=args.batch_min_share),
                                 claim_idle_ms=args.claim_idle_ms, heartbeat_s=args.heartbeat_s),
                             tracer)
+    costd = args.costd or (args.otlp_endpoint or "").split(",")[0].strip()
+    if not costd:
+        raise SystemExit("router: no costd to ship bills to: give --costd or --otlp-endpoint")
+    shipper = BillingShipper(redis, costd, identity, args.consumer)
     supervisor = Supervisor()
     for name, loop in (("registry", registry.run), ("dispatch", dispatcher.run),
-                       ("cancels", dispatcher.watch_cancels), ("reclaim", dispatcher.reclaim)):
+                       ("cancels", dispatcher.watch_cancels), ("reclaim", dispatcher.reclaim),
+                       ("billing", shipper.run)):
         supervisor.start(name, loop)
     supervisor.add_check("redis", redis_check(redis))
 
     async def close():
         await supervisor.stop()
         await registry.close()
+        await shipper.close()
         await redis.aclose()
         telemetry.shutdown_tracing()
 

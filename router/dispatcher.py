@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from opentelemetry import trace
 from redis.exceptions import RedisError, ResponseError
 
-from llmmesh import queue, telemetry
+from llmmesh import billing, queue, telemetry
 from llmmesh.admission import Admission, Reservation
 from llmmesh.jobs import JobResults
 from llmmesh.v1 import worker_pb2
@@ -24,7 +24,8 @@ from router.fairness import ClassPolicy, ClassScheduler
 from router.policy import Policy
 from router.registry import WorkerHandle, WorkerRegistry
 from router.relay import (MAX_ATTEMPTS, RequestFailed, RequestProgress, apply_stream_state,
-                          read_result_stream, record_usage, run_attempt, sync_delivered)
+                          billing_fields, read_result_stream, record_usage, run_attempt,
+                          sync_delivered)
 
 log = logging.getLogger("router.dispatcher")
 HELD_RECHECK_MS = 20
@@ -202,6 +203,10 @@ class Dispatcher:
                 outcome = {"finish_reason": ended["finish_reason"], "usage": ended["usage"]}
             else:
                 outcome = {"error_code": ended["code"], "error_message": ended["message"]}
+                if p.delivered:
+                    # Its bill went in after the error event: the dead router may not have
+                    # written it. Written again here; the ledger keeps the first of the two.
+                    await self.redis.xadd(billing.BILLING_STREAM, billing_fields(p, "error", "", None))
             await self._finish(cls, entry_id, p, ended["kind"] == "final" or bool(p.delivered), outcome)
             return
         ctx = telemetry.extract_context(e.traceparent)
@@ -212,8 +217,12 @@ class Dispatcher:
                 if early_check is not None and await early_check and not p.delivered:
                     # Cancelled before the router took it: ends as before, unbilled.
                     raise RequestFailed("CANCELLED", "request cancelled before it started")
-                await self.redis.xadd(queue.result_stream(e.request_id),
-                                      queue.final_event(reason, p.usage()))
+                # The final and its bill in one MULTI/EXEC: a request that ended has a durable
+                # bill, whatever instant this router dies at (llmmesh.billing).
+                async with self.redis.pipeline(transaction=True) as pipe:
+                    pipe.xadd(queue.result_stream(e.request_id), queue.final_event(reason, p.usage()))
+                    pipe.xadd(billing.BILLING_STREAM, billing_fields(p, reason, device, span))
+                    await pipe.execute()
                 record_usage(span, p, reason, device)
                 billed = True
                 outcome = {"finish_reason": reason, "usage": p.usage()}
@@ -225,6 +234,7 @@ class Dispatcher:
                 # can be, so what it holds now is exactly what the client got.
                 await sync_delivered(p, self.redis)
                 if p.delivered:  # tokens were produced and delivered: they are billed
+                    await self.redis.xadd(billing.BILLING_STREAM, billing_fields(p, "error", "", span))
                     record_usage(span, p, "error", "")
                     billed = True
                 outcome = {"error_code": exc.code, "error_message": exc.message}

@@ -17,7 +17,7 @@ import grpc
 import redis.asyncio as aioredis
 from opentelemetry import trace
 
-from llmmesh import queue, telemetry
+from llmmesh import billing, queue, telemetry
 from llmmesh.v1 import common_pb2, worker_pb2
 from router.registry import WorkerHandle
 
@@ -188,11 +188,28 @@ async def run_attempt(p: RequestProgress, worker: WorkerHandle, redis: aioredis.
     return p.end_reason
 
 
+def billing_fields(p: RequestProgress, finish_reason: str, device_type: str,
+                   span: trace.Span | None) -> dict[str, str]:
+    """The request's billing record for llmmesh.billing's stream, in its dispatch span's trace."""
+    e = p.entry
+    attributes = billing.record_attributes(
+        request_id=e.request_id, tenant_id=e.tenant_id, model=e.model,
+        request_class=e.request_class, usage=p.usage(), finish_reason=finish_reason,
+        device_type=device_type, worker_ids=p.worker_ids)
+    ctx = span.get_span_context() if span is not None else None
+    now = time.time_ns()
+    return billing.encode_record(
+        attributes, start_unix_ns=e.enqueued_unix_ns or now, end_unix_ns=now,
+        trace_id=f"{ctx.trace_id:032x}" if ctx and ctx.is_valid else "",
+        parent_span_id=f"{ctx.span_id:016x}" if ctx and ctx.is_valid else "")
+
+
 def record_usage(span: trace.Span, p: RequestProgress, finish_reason: str, device_type: str) -> None:
-    """Make `span` the request's one billing record (costd reads llmmesh.usage.final)."""
+    """The request's usage on its dispatch span, for tracing; the bill itself is the record
+    billing_fields makes (this span carries no llmmesh.usage.final, so costd never bills it)."""
     u, e = p.usage(), p.entry
     span.set_attributes({
-        telemetry.USAGE_FINAL: True, telemetry.REQUEST_ID: e.request_id,
+        telemetry.REQUEST_ID: e.request_id,
         telemetry.TENANT_ID: e.tenant_id, telemetry.REQUEST_MODEL: e.model,
         telemetry.REQUEST_CLASS: e.request_class, telemetry.OPERATION: "text_completion",
         telemetry.INPUT_TOKENS: u["prompt_tokens"], telemetry.OUTPUT_TOKENS: u["completion_tokens"],

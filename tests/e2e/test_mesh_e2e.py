@@ -1,6 +1,7 @@
 """The whole mesh as real processes: redis-server, costd, a worker on the real model, router, gateway."""
 from __future__ import annotations
 
+import sqlite3
 import time
 
 import grpc
@@ -8,6 +9,7 @@ import pytest
 import redis
 
 from llmmesh import mtls, queue
+from tests.e2e.meshkit import wait_until
 from llmmesh.identity import Role
 from llmmesh.v1 import common_pb2, cost_pb2, cost_pb2_grpc, gateway_pb2
 
@@ -135,17 +137,18 @@ def test_one_trace_per_request_across_gateway_router_worker(mesh, gateway, span_
     final = _stream(gateway, _chat("Say one word.", max_tokens=3), "acme")[2]
     rid = final.request_id
 
+    names = {"gateway generate", "router dispatch", "gen_ai.generate"}
+
     def three_spans():
         spans = span_capture.for_request(rid)
-        return spans if {s["service"] for s in spans} >= {"llmmesh-gateway", "llmmesh-router",
-                                                          "llmmesh-worker"} else None
+        return spans if {s["name"] for s in spans} >= names else None
     deadline = time.monotonic() + 15
     while not (spans := three_spans()):
         assert time.monotonic() < deadline, span_capture.for_request(rid)
         time.sleep(0.1)
-    by_service = {s["service"]: s for s in spans}
+    by_name = {s["name"]: s for s in spans}
     assert len({s["trace_id"] for s in spans}) == 1  # one trace, carried through Redis and gRPC
-    gw, rt, wk = by_service["llmmesh-gateway"], by_service["llmmesh-router"], by_service["llmmesh-worker"]
+    gw, rt, wk = by_name["gateway generate"], by_name["router dispatch"], by_name["gen_ai.generate"]
     assert rt["parent_span_id"] == gw["span_id"] and wk["parent_span_id"] == rt["span_id"]
     for span in (gw, rt, wk):
         a = span["attributes"]
@@ -154,8 +157,21 @@ def test_one_trace_per_request_across_gateway_router_worker(mesh, gateway, span_
         assert a["llmmesh.tenant.id"] == "acme"
         assert a["gen_ai.usage.input_tokens"] == final.usage.prompt_tokens
         assert a["gen_ai.usage.output_tokens"] == final.usage.completion_tokens
-    assert rt["attributes"]["llmmesh.usage.final"] is True  # the one billing record
-    assert "llmmesh.usage.final" not in gw["attributes"] and "llmmesh.usage.final" not in wk["attributes"]
+    # None of them is the bill: that is the router's record in Redis's billing stream, shipped
+    # to costd alone (llmmesh.billing), and in the ledger once under the mesh's request id.
+    assert all("llmmesh.usage.final" not in s["attributes"] for s in (gw, rt, wk))
+    mesh_id = rt["attributes"]["llmmesh.request.id"]
+    assert mesh_id.startswith(f"acme/{rid}/")
+
+    def ledger():
+        conn = sqlite3.connect(f"{mesh.var_dir}/ledger.sqlite")
+        try:
+            return conn.execute("SELECT tenant_id, prompt_tokens, completion_tokens FROM "
+                                "usage_records WHERE request_id = ?", (mesh_id,)).fetchall()
+        finally:
+            conn.close()
+    rows = wait_until(ledger, 15, what="the bill in the ledger")
+    assert rows == [("acme", final.usage.prompt_tokens, final.usage.completion_tokens)]
 
 
 def test_seed_logprobs_and_stop_strings_through_the_mesh(gateway):

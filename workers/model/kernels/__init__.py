@@ -13,6 +13,8 @@ forces the torch path (tests of the fallback, A/B measurements).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import os
@@ -84,6 +86,21 @@ def _build_dir() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """One builder at a time, by a lock the kernel drops when its holder dies. torch's own lock
+    file is a bare file that a process killed mid-build leaves behind, and every later worker
+    then waits on it forever (seen when a benchmark was interrupted during a rebuild); holding
+    ours, no live builder can own that file, so a leftover one is removed."""
+    with open(build_dir / "llmmesh.flock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing a kernel build lock left by a process that died mid-build")
+            stale.unlink(missing_ok=True)
+        yield
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_kernels() -> ModuleType | None:
     if os.environ.get("LLMMESH_NO_KERNELS") == "1":
@@ -95,10 +112,11 @@ def cpu_kernels() -> ModuleType | None:
     _ensure_ninja_on_path()
     try:
         from torch.utils.cpp_extension import load
-        # The source hash is in the name, so an edited kernel never loads a stale build.
-        return load(name="llmmesh_cpu_kernels", sources=[str(here / s) for s in _SOURCES],
-                    extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
-                    build_directory=str(_build_dir()), verbose=False)
+        with _build_lock(_build_dir()):
+            # The source hash is in the name, so an edited kernel never loads a stale build.
+            return load(name="llmmesh_cpu_kernels", sources=[str(here / s) for s in _SOURCES],
+                        extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                        build_directory=str(_build_dir()), verbose=False)
     except Exception as exc:   # compiler missing, headers missing, ...: degrade, never crash
         log.warning("CPU kernels failed to build (%s); falling back to torch dequant + matmul, "
                     "which is several times slower", str(exc).splitlines()[0] if str(exc) else exc)
