@@ -1,7 +1,7 @@
 # llmmesh: `make up` runs the whole mesh, `make test` runs the tests. Each sets itself up.
 PY := .venv/bin/python
 
-.PHONY: up test test-fast venv protos clean bench bench-smoke bench-engine bench-scheduling bench-overhead
+.PHONY: up test test-fast venv protos clean bench bench-smoke bench-engine bench-scheduling bench-overhead chaos
 
 venv:
 	@bash scripts/setup.sh
@@ -43,3 +43,15 @@ clean:
 # Scheduling promises (priority under a batch flood, tenant fairness, placement): ~15 min.
 bench-scheduling: venv
 	$(PY) -m bench.scheduling $(BENCH_ARGS)
+
+# Chaos: the tests/chaos scenarios at 5x their `make test` size (~5 min); writes bench/results/chaos.md.
+CHAOS_MD := bench/results/chaos.md
+chaos: venv
+	@{ echo "# Chaos: nothing lost, nothing billed twice"; echo; \
+	   echo "- command: \`make chaos\` (LLMMESH_CHAOS_SCALE=5 pytest tests/chaos)"; \
+	   echo "- commit: $$(git rev-parse --short HEAD)$$(git diff --quiet HEAD -- . ':!bench/results' || echo ' + uncommitted changes')"; \
+	   echo "- machine: $$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $$(nproc) CPUs"; echo; \
+	   echo "Counts from client records against the ledger (real model, 1 worker, 2 routers)."; echo; \
+	   echo "| scenario | sent | completed | typed errors | lost | double-billed | unbilled tokens |"; \
+	   echo "|---|---|---|---|---|---|---|"; } > $(CHAOS_MD)
+	LLMMESH_CHAOS_SCALE=5 LLMMESH_CHAOS_REPORT=$(abspath $(CHAOS_MD)) $(PY) -m pytest -q -s -ra tests/chaos
