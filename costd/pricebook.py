@@ -95,9 +95,23 @@ class PriceBook:
     @classmethod
     def parse(cls, text: str) -> PriceBook:
         data = tomllib.loads(text, parse_float=Decimal)
+        _known(data, ("currency", "aliases", "devices"), "")
+        for name, entry in data.get("devices", {}).items():
+            _known(entry, ("description", "prices"), f"devices.{name}.")
+            for i, item in enumerate(entry.get("prices", [])):
+                _known(item, ("from", "per_hour", "list_per_hour"), f"devices.{name}.prices[{i}].")
         devices = {name: _device(name, entry) for name, entry in data.get("devices", {}).items()}
         aliases = tuple((str(k), str(v)) for k, v in data.get("aliases", {}).items())
         return cls(currency=data.get("currency", "USD"), devices=devices, aliases=aliases)
+
+
+def _known(table: object, keys: tuple[str, ...], where: str) -> None:
+    """A misspelt key (`per_huor`) is refused, never silently priced at a default."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{where.rstrip('.') or 'the file'} must be a table")
+    for key in table:
+        if key not in keys:
+            raise ValueError(f"{where}{key}: unknown key; known keys: {', '.join(keys)}")
 
 
 def _decimal(value: object, what: str) -> Decimal:

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 from gateway.batch_jobs import BatchJobs
 from gateway.frontend import Frontend, FrontendConfig
 from gateway.servicer import GatewayServicer
-from gateway.tenants import TenantBook
+from gateway.tenants import TenantBook, TenantsFileError
 from gateway.validation import ServedModel
 from llmmesh import server, telemetry
 from llmmesh.identity import Role
@@ -59,7 +59,11 @@ async def main() -> None:
     redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True, socket_timeout=5.0,
                                     socket_connect_timeout=2.0, health_check_interval=10)
     frontend = Frontend(redis, FrontendConfig(block_size=args.block_size), tracer)
-    servicer = GatewayServicer(frontend, TenantBook(args.tenants), {model.name: model}, model.name,
+    try:
+        tenants = TenantBook(args.tenants)
+    except (TenantsFileError, OSError) as exc:
+        raise SystemExit(f"gateway: {exc}") from None   # one line, not a traceback
+    servicer = GatewayServicer(frontend, tenants, {model.name: model}, model.name,
                                BatchJobs(redis, frontend))
 
     supervisor = Supervisor()   # no loops of its own: health follows Redis, its queue store

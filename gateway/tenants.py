@@ -6,7 +6,9 @@ a restart.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import re
 import tomllib
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -16,6 +18,7 @@ from llmmesh.queue import CLASSES
 
 
 _PERIODS = ("none", "day", "month")
+log = logging.getLogger("gateway.tenants")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +67,68 @@ def hash_key(api_key: str) -> str:
     return hashlib.sha256(api_key.encode()).hexdigest()
 
 
+_PLAN_INTS = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "token_budget")
+# Every key a tenant's table may hold: anything else (a typo such as `token_budjet`) is refused,
+# never read as "no limit".
+_TENANT_KEYS = ("api_key_sha256", "allowed_classes", "cache_scope", *_PLAN_INTS, "budget_period")
+_DIGEST = re.compile(r"^[0-9a-fA-F]{64}$")
+
+
+class TenantsFileError(ValueError):
+    """A tenants file that must not be used; the message names file, line and key."""
+
+
+def _line_of(text: str, table: str, key: str | None) -> int:
+    """The line of `key` inside `[table]` (of the table's header when key is None); 0 if unseen."""
+    lines, inside = text.splitlines(), table is None
+    for n, line in enumerate(lines, 1):
+        stripped = line.strip()
+        if stripped.startswith("["):
+            inside = stripped.strip("[] ") == table
+            if inside and key is None:
+                return n
+        elif inside and key and re.match(rf"^{re.escape(key)}\s*=", stripped):
+            return n
+    return 0
+
+
+def _check(path: str, text: str, raw: dict) -> None:
+    def fail(table: str | None, key: str | None, why: str):
+        line = _line_of(text, table, key)
+        where = f"{path}:{line}" if line else path
+        name = ".".join(p for p in (table, key) if p)
+        raise TenantsFileError(f"{where}: {name}: {why}")
+
+    for key in raw:
+        if key != "tenants":
+            fail(None, key, "unknown top-level key (the file holds [tenants.<id>] tables only)")
+    for tenant_id, body in raw.get("tenants", {}).items():
+        table = f"tenants.{tenant_id}"
+        if not isinstance(body, dict):
+            fail(None, "tenants", f"{tenant_id} must be a table")
+        for key, value in body.items():
+            if key not in _TENANT_KEYS:
+                fail(table, key, f"unknown key; known keys: {', '.join(_TENANT_KEYS)}")
+            if key in _PLAN_INTS and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                fail(table, key, f"must be an integer >= 0 (0 = unlimited), got {value!r}")
+            if key == "budget_period" and value not in _PERIODS:
+                fail(table, key, f"must be one of {', '.join(_PERIODS)}, got {value!r}")
+            if key == "cache_scope" and (not isinstance(value, str) or not value):
+                fail(table, key, "must be a non-empty string")
+            if key in ("api_key_sha256", "allowed_classes") and not (
+                    isinstance(value, list) and all(isinstance(v, str) for v in value)):
+                fail(table, key, "must be a list of strings")
+            if key == "api_key_sha256" and not all(_DIGEST.match(v) for v in value):
+                fail(table, key, "entries must be SHA-256 hex digests (`llmmesh hash-key KEY`)")
+            if key == "allowed_classes" and set(value) - set(CLASSES):
+                fail(table, key, f"unknown classes {sorted(set(value) - set(CLASSES))}; "
+                                 f"known: {', '.join(CLASSES)}")
+
+
 def _parse(raw: dict) -> dict[str, Tenant]:
     by_digest: dict[str, Tenant] = {}
     for tenant_id, body in raw.get("tenants", {}).items():
         classes = tuple(body.get("allowed_classes", CLASSES))
-        unknown = set(classes) - set(CLASSES)
-        if unknown:
-            raise ValueError(f"tenant {tenant_id}: unknown classes {sorted(unknown)}")
         plan = Plan(**{k: body[k] for k in Plan.__dataclass_fields__ if k in body})
         tenant = Tenant(tenant_id, classes, body.get("cache_scope", tenant_id), plan)
         for digest in body.get("api_key_sha256", []):
@@ -78,21 +136,45 @@ def _parse(raw: dict) -> dict[str, Tenant]:
     return by_digest
 
 
+def load_tenants(path: str) -> dict[str, Tenant]:
+    """API-key digest → tenant; TenantsFileError naming file, line and key when it is wrong."""
+    with open(path, "rb") as f:
+        data = f.read()
+    text = data.decode("utf-8", errors="replace")
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise TenantsFileError(f"{path}: not valid TOML: {exc}") from None
+    _check(path, text, raw)
+    return _parse(raw)
+
+
 class TenantBook:
     """Maps API keys to tenants; reloads its file when it changes."""
 
     def __init__(self, path: str):
         self.path = path
-        self._mtime_ns = -1
-        self._by_digest: dict[str, Tenant] = {}
-        self._reload_if_changed()
+        self._by_digest: dict[str, Tenant] = load_tenants(path)   # a bad file stops start-up
+        self._mtime_ns = os.stat(path).st_mtime_ns
 
     def _reload_if_changed(self) -> None:
-        mtime_ns = os.stat(self.path).st_mtime_ns
-        if mtime_ns != self._mtime_ns:
-            with open(self.path, "rb") as f:
-                self._by_digest = _parse(tomllib.load(f))
-            self._mtime_ns = mtime_ns
+        try:
+            mtime_ns = os.stat(self.path).st_mtime_ns
+        except OSError as exc:
+            mtime_ns = -1
+            why = f"unreadable ({exc})"
+        if mtime_ns == self._mtime_ns:
+            return
+        self._mtime_ns = mtime_ns     # tried once per change, not once per call
+        try:
+            if mtime_ns == -1:
+                raise TenantsFileError(why)
+            self._by_digest = load_tenants(self.path)
+            log.info("tenants file %s reloaded", self.path)
+        except (TenantsFileError, OSError) as exc:
+            # Keep serving with the last good tenants: a broken edit must not lock everyone out
+            # (or, worse, drop a limit).
+            log.error("tenants file not reloaded, keeping the last good one: %s", exc)
 
     def authenticate(self, metadata) -> Tenant:
         header = ""

@@ -79,3 +79,15 @@ def test_bad_price_books_are_refused_at_load(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         PriceBook.load(path)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('currency = "USD"\ncurency = "EUR"\n', "curency: unknown key"),
+    ('[devices.cpu]\nprices = [{ from = 2024-01-01T00:00:00Z, per_hour = 1, per_huor = 2 }]\n',
+     r"devices.cpu.prices\[0\].per_huor: unknown key"),
+    ('[devices.cpu]\ndescripton = "x"\nprices = [{ from = 2024-01-01T00:00:00Z, per_hour = 1 }]\n',
+     "devices.cpu.descripton: unknown key"),
+])
+def test_a_misspelt_key_is_refused_with_its_path(text, message):
+    with pytest.raises(ValueError, match=message):
+        PriceBook.parse(text)
