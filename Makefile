@@ -1,7 +1,7 @@
 # llmmesh: `make up` runs the whole mesh, `make test` runs the tests. Each sets itself up.
 PY := .venv/bin/python
 
-.PHONY: up test test-fast venv protos clean bench bench-smoke bench-engine bench-scheduling bench-overhead chaos
+.PHONY: up test test-fast venv protos clean bench bench-smoke bench-engine bench-scheduling bench-overhead bench-tls chaos
 
 venv:
 	@bash scripts/setup.sh
@@ -33,6 +33,10 @@ bench-overhead: venv
 # writes bench/results/engine.md + .png. BENCH_ENGINE_ARGS="--quick" for a ~2 min smoke run.
 bench-engine: venv
 	$(PY) -m bench.engine $(BENCH_ENGINE_ARGS)
+
+# What mutual TLS adds to one warm internal hop (~20 s); writes bench/results/tls-hop.md.
+bench-tls: venv
+	$(PY) -m bench.tls_hop
 
 bench-smoke: venv
 	$(PY) -m pytest -q -ra tests/unit/test_bench.py tests/integration/test_bench_smoke.py
