@@ -123,7 +123,7 @@ def report(result: dict, command: str, env: dict) -> str:
              f"Issue 6 target: ≤ {TARGET_TTFT_MS:g} ms added p50 TTFT, ≤ {TARGET_TPOT_MS:g} ms "
              "added per token. \"added\" is the median of the per-pair differences "
              "(mesh − direct); q1–q3 is the middle half of those differences. The last row is "
-             "diagnostic, not the target: TTFT minus the worker's own queue and prefill time "
+             "diagnostic, not the target: TTFT minus the prefill's device time "
              "(from its usage report), i.e. the hops alone, without the prefill's run-to-run "
              "noise.", "",
              "| metric | mesh p50 (ms) | direct p50 (ms) | added, median of pairs (ms) | q1 – q3 (ms) | target |",
