@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -31,8 +32,36 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}; see server logs")
 
 
+class _Undecodable:
+    """A request whose bytes did not parse (bad UTF-8 in a string, a truncated message)."""
+
+    def __init__(self, error: Exception):
+        self.reason = str(error).rsplit(": ", 1)[-1] or type(error).__name__
+
+
+def _safe(deserialize):
+    # gRPC would answer UNKNOWN with the parser's exception text: parse here and let the
+    # handler answer INVALID_ARGUMENT instead.
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except DecodeError as exc:
+            return _Undecodable(exc)
+    return parse
+
+
+async def _refuse_undecodable(context, request) -> None:
+    if isinstance(request, _Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"request: cannot be parsed ({request.reason}); strings must be UTF-8")
+
+
 def _wrap_unary(behavior, method: str):
     async def wrapper(request, context):
+        await _refuse_undecodable(context, request)
         try:
             return await behavior(request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -44,6 +73,7 @@ def _wrap_unary(behavior, method: str):
 
 def _wrap_stream(behavior, method: str):
     async def wrapper(request, context):
+        await _refuse_undecodable(context, request)
         try:
             async for item in behavior(request, context):
                 yield item
@@ -65,11 +95,11 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary, method),
-                handler.request_deserializer, handler.response_serializer)
+                _safe(handler.request_deserializer), handler.response_serializer)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream, method),
-                handler.request_deserializer, handler.response_serializer)
+                _safe(handler.request_deserializer), handler.response_serializer)
         return handler
 
 
