@@ -33,6 +33,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--claim-idle-ms", type=int, default=int(env("LLMMESH_CLAIM_IDLE_MS", "15000")),
                    help="take over entries another router has not heartbeated for this long")
     p.add_argument("--heartbeat-s", type=float, default=float(env("LLMMESH_HEARTBEAT_S", "3")))
+    p.add_argument("--breaker-open-s", type=float, default=float(env("LLMMESH_BREAKER_OPEN_S", "5")),
+                   help="after 3 failed attempts on a worker, seconds before one probe is sent")
     p.add_argument("--batch-min-share", type=float, default=float(env("LLMMESH_BATCH_MIN_SHARE", "0.2")))
     return p.parse_args()
 
@@ -44,7 +46,7 @@ async def main() -> None:
     tracer = telemetry.setup_tracing("llmmesh-router", args.otlp_endpoint, identity)
     redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True,
                                     socket_connect_timeout=2.0, health_check_interval=10)
-    registry = WorkerRegistry(redis, identity)
+    registry = WorkerRegistry(redis, identity, breaker_open_s=args.breaker_open_s)
     dispatcher = Dispatcher(redis, registry, make_policy(args.policy),
                             DispatcherConfig(consumer=args.consumer, class_policy=ClassPolicy(
                                 batch_min_share=args.batch_min_share),

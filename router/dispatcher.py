@@ -280,6 +280,8 @@ class Dispatcher:
             if p.cancelled:   # the client went away while the request waited for a worker
                 raise RequestFailed("CANCELLED", "request cancelled by the client")
             p.worker_ids.append(worker.worker_id)
+            if worker.breaker:
+                worker.breaker.on_dispatch()
             worker.num_inflight += 1
             try:
                 reason = await run_attempt(p, worker, self.redis)
@@ -288,9 +290,12 @@ class Dispatcher:
                 self._slot_freed.set()
             p.attempts += 1
             if reason is not None:
+                if worker.breaker:
+                    worker.breaker.on_success()
                 device = worker.load.device_type if worker.load else ""
                 return reason, device
-            worker.healthy = False  # until its lease is renewed and a probe succeeds
+            if worker.breaker:
+                worker.breaker.on_failure()
         await queue.dead_letter(self.redis, queue.dead_letter_record(
             entry_id="", request_class=e.request_class, entry=e, deliveries=p.attempts,
             reason=f"failed on {MAX_ATTEMPTS} workers"))

@@ -15,6 +15,7 @@ from llmmesh import mtls, queue
 from llmmesh.identity import Role
 from llmmesh.mtls import MeshIdentity
 from llmmesh.v1 import worker_pb2, worker_pb2_grpc
+from router.breaker import CircuitBreaker
 
 log = logging.getLogger("router.registry")
 # Reports lag dispatch by up to two refresh periods (the worker's and ours).
@@ -37,19 +38,26 @@ class WorkerHandle:
     # Block hashes this router sent the worker lately (hash -> monotonic time): cached by now,
     # most likely, but not yet in the worker's report.
     recent_hashes: dict[int, float] = field(default_factory=dict)
+    # False while its GetLoad probe fails (a lease refresh tries it again).
     healthy: bool = True
+    # Opened by failed attempts, closed by a successful one: not by a lease refresh.
+    breaker: CircuitBreaker | None = None
 
     @property
     def free_slots(self) -> int:
-        return self.max_inflight - self.num_inflight if self.healthy else 0
+        if not self.healthy or (self.breaker is not None and not self.breaker.available()):
+            return 0
+        return self.max_inflight - self.num_inflight
 
 
 class WorkerRegistry:
     """Keeps `workers` in step with the leases workers keep alive in Redis."""
 
-    def __init__(self, redis: aioredis.Redis, identity: MeshIdentity, refresh_s: float = 1.0):
+    def __init__(self, redis: aioredis.Redis, identity: MeshIdentity, refresh_s: float = 1.0,
+                 breaker_open_s: float = 5.0):
         self.redis = redis
         self.identity = identity
+        self.breaker_open_s = breaker_open_s
         self.refresh_s = refresh_s
         self.workers: dict[str, WorkerHandle] = {}
         self.changed = asyncio.Event()
@@ -81,7 +89,8 @@ class WorkerRegistry:
         self.workers[info["worker_id"]] = WorkerHandle(
             worker_id=info["worker_id"], address=info["address"],
             max_inflight=int(info.get("max_inflight", 32)), channel=channel,
-            stub=worker_pb2_grpc.WorkerServiceStub(channel))
+            stub=worker_pb2_grpc.WorkerServiceStub(channel),
+            breaker=CircuitBreaker(info["worker_id"], open_s=self.breaker_open_s))
         log.info("worker %s at %s joined", info["worker_id"], info["address"])
 
     async def _probe_loads(self) -> None:

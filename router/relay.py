@@ -168,7 +168,10 @@ async def run_attempt(p: RequestProgress, worker: WorkerHandle, redis: aioredis.
         log.warning("request %s: worker %s ended the stream without a final", p.entry.request_id,
                     worker.worker_id)
     except grpc.aio.AioRpcError as exc:
-        if exc.code() not in _RETRYABLE:
+        # CANCELLED that the client did not ask for: the channel closed under the call (the
+        # worker's lease lapsed and the registry dropped it) — another worker can take over.
+        channel_closed = exc.code() == grpc.StatusCode.CANCELLED and not p.cancelled
+        if exc.code() not in _RETRYABLE and not channel_closed:
             # The call can fail after the request ended (a deadline firing between the worker's
             # marked last chunk and its final message): then it completed.
             await sync_delivered(p, redis)

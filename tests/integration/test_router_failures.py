@@ -382,3 +382,27 @@ def test_health_says_not_serving_while_redis_is_down_and_serving_after(mesh):
         _stub(mesh).Complete(gateway_pb2.CompleteRequest(request=chat("Hello?", 2)),
                              metadata=auth(DEMO_KEYS["acme"]), timeout=3)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_a_failing_workers_circuit_opens_survives_lease_refreshes_and_probes_later(mesh, failing):
+    """3 failed attempts open the circuit: the next request is not sent there (it ends at its
+    deadline with no other worker), although the lease is renewed meanwhile; after the router's
+    5 s cool-down one probe goes."""
+    failing.register(mesh.redis_url, "flaky")
+    stub = _stub(mesh)
+    with pytest.raises(grpc.RpcError):
+        stub.Complete(gateway_pb2.CompleteRequest(request=chat("Hello?", 2)),
+                      metadata=auth(DEMO_KEYS["acme"]), timeout=30)
+    assert failing.calls == 3
+    failing.register(mesh.redis_url, "flaky")            # a fresh lease: no longer resets it
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Complete(gateway_pb2.CompleteRequest(request=chat("Hello?", 2)),
+                      metadata=auth(DEMO_KEYS["acme"]), timeout=2)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert failing.calls == 3                            # nothing went to the open circuit
+    time.sleep(4)                                        # past the cool-down (5 s from opening)
+    with pytest.raises(grpc.RpcError):
+        stub.Complete(gateway_pb2.CompleteRequest(request=chat("Hello?", 2)),
+                      metadata=auth(DEMO_KEYS["acme"]), timeout=10)
+    assert failing.calls >= 4                            # the half-open probe
+    assert "circuit closed -> open" in open(f"{mesh.log_dir}/router.log").read()
