@@ -4,6 +4,7 @@ that may call it (a printed method × caller table); forged billing spans bill n
 take a real request's ledger key; a worker runs requests only for routers."""
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 import uuid
@@ -263,3 +264,35 @@ def test_request_ids_are_scoped_by_tenant_and_a_reused_id_is_billed_again(mesh, 
     assert rows == sorted([("acme", acme.final.usage.prompt_tokens, 3),
                            ("acme", again.final.usage.prompt_tokens, 5),
                            ("globex", globex.final.usage.prompt_tokens, 7)])
+
+
+def test_canary_key_and_prompt_appear_nowhere_after_the_requests_end(mesh, gateway, span_capture):
+    """S9: an API key and a prompt's text, run through the mesh, are found in no log, exported
+    span, ledger, Redis key or value, or dead letter once the requests have ended."""
+    import redis as redis_client
+    canary = f"zebra{uuid.uuid4().hex[:10]}canary"
+    key = DEMO_KEYS["globex"]
+    for text in (f"Repeat after me: {canary}", f"Spell {canary} backwards."):
+        gateway.Complete(gateway_pb2.CompleteRequest(request=chat(text, 4)), metadata=auth(key), timeout=120)
+    time.sleep(1.0)                                   # spans and bills flushed
+    found = []
+    for name in os.listdir(mesh.log_dir):
+        body = open(os.path.join(mesh.log_dir, name), errors="replace").read()
+        found += [f"log {name}" for needle in (canary, key) if needle in body]
+    spans = repr(span_capture.spans)
+    found += [f"spans: {needle[:8]}" for needle in (canary, key) if needle in spans]
+    ledger = open(f"{mesh.var_dir}/ledger.sqlite", "rb").read()
+    found += [f"ledger: {n[:8]}" for n in (canary, key) if n.encode() in ledger]
+    r = redis_client.Redis.from_url(mesh.redis_url)
+    r.set("test:canary-control", canary, ex=60)       # the search must find this one
+    for k in r.scan_iter(count=1000):
+        kind = r.type(k).decode()
+        value = (repr(r.xrange(k)) if kind == "stream" else repr(r.hgetall(k)) if kind == "hash"
+                 else repr(r.smembers(k)) if kind == "set" else repr(r.get(k)) if kind == "string"
+                 else "")
+        found += [f"redis {k!r}" for n in (canary, key) if n in value or n in k.decode()]
+    r.delete("test:canary-control")
+    assert "redis b'test:canary-control'" in found, "the search itself is broken"
+    found.remove("redis b'test:canary-control'")
+    print(f"\n  canary and API key found in: {found or 'nothing'}")
+    assert found == []
