@@ -59,6 +59,11 @@ def test_bursts_of_mixed_requests_have_no_unexplained_stall(tmp_path):
         channel.close()
         print(f"\n  {BURSTS} bursts of {PER_BURST}: worst TTFT {worst:.2f} s, worst unexplained by "
               f"usage {worst_unexplained:.3f} s")
+        if os.environ.get("LLMMESH_CHAOS_REPORT"):
+            with open(os.environ["LLMMESH_CHAOS_REPORT"], "a") as f:
+                f.write(f"\nBursts: {BURSTS} bursts of {PER_BURST} mixed requests (1 in 3 batch), "
+                        f"worst TTFT {worst:.2f} s, worst TTFT beyond what usage explains "
+                        f"{worst_unexplained:.3f} s (the issue's bound: 1 s).\n")
         assert worst_unexplained < 8.0
     finally:
         mesh.down()
