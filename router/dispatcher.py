@@ -70,8 +70,8 @@ class Dispatcher:
         self.sched: ClassScheduler[Held] = ClassScheduler(config.class_policy, config.quantum_tokens)
         # (class, entry id) -> entry, buffered or running. The class is part of the key because
         # the two queues are separate streams whose ids are each "<ms>-<seq>": an interactive and
-        # a batch entry added in the same millisecond share an id, and keying by id alone dropped
-        # the second one until a takeover 15 s later (the stall of issue 13).
+        # a batch entry added in the same millisecond share an id, and keying by id alone left
+        # the second one unread until another router's takeover, 15 s later.
         self.held: dict[tuple[str, str], Held] = {}
         self.running: dict[str, Held] = {}       # request id -> entry being served
         self._slot_freed = asyncio.Event()
