@@ -294,6 +294,9 @@ class Dispatcher:
                     worker.breaker.on_success()
                 device = worker.load.device_type if worker.load else ""
                 return reason, device
+            # Out of this request's way at once (a dead worker's lease and probe end it for
+            # good); the breaker keeps count across lease refreshes, which clear this flag.
+            worker.healthy = False
             if worker.breaker:
                 worker.breaker.on_failure()
         await queue.dead_letter(self.redis, queue.dead_letter_record(
