@@ -50,7 +50,8 @@ def encode_record(attributes: dict[str, Any], *, start_unix_ns: int, end_unix_ns
                              "parent_span_id": parent_span_id}, separators=(",", ":"))}
 
 
-def _value(value: Any) -> AnyValue:
+def any_value(value: Any) -> AnyValue:
+    """An OTLP attribute value of a plain Python one (bool before int: bool is an int)."""
     if isinstance(value, bool):
         return AnyValue(bool_value=value)
     if isinstance(value, int):
@@ -58,7 +59,7 @@ def _value(value: Any) -> AnyValue:
     if isinstance(value, float):
         return AnyValue(double_value=value)
     if isinstance(value, list):
-        return AnyValue(array_value=ArrayValue(values=[_value(v) for v in value]))
+        return AnyValue(array_value=ArrayValue(values=[any_value(v) for v in value]))
     return AnyValue(string_value=str(value))
 
 
@@ -71,7 +72,7 @@ def _span(entry_id: str, body: dict) -> trace_pb2.Span:
         parent_span_id=bytes.fromhex(body.get("parent_span_id") or ""), name=SPAN_NAME,
         kind=trace_pb2.Span.SPAN_KIND_INTERNAL,
         start_time_unix_nano=int(body["start_unix_ns"]), end_time_unix_nano=int(body["end_unix_ns"]),
-        attributes=[KeyValue(key=k, value=_value(v)) for k, v in body["attributes"].items()])
+        attributes=[KeyValue(key=k, value=any_value(v)) for k, v in body["attributes"].items()])
 
 
 def export_request(entries: list[tuple[str, dict]]) -> trace_service_pb2.ExportTraceServiceRequest:

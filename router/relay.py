@@ -191,14 +191,19 @@ async def run_attempt(p: RequestProgress, worker: WorkerHandle, redis: aioredis.
     return p.end_reason
 
 
+def _attributes(p: RequestProgress, finish_reason: str, device_type: str) -> dict:
+    e = p.entry
+    return billing.record_attributes(
+        request_id=e.request_id, tenant_id=e.tenant_id, model=e.model,
+        request_class=e.request_class, usage=p.usage(), finish_reason=finish_reason,
+        device_type=device_type, worker_ids=p.worker_ids)
+
+
 def billing_fields(p: RequestProgress, finish_reason: str, device_type: str,
                    span: trace.Span | None) -> dict[str, str]:
     """The request's billing record for llmmesh.billing's stream, in its dispatch span's trace."""
     e = p.entry
-    attributes = billing.record_attributes(
-        request_id=e.request_id, tenant_id=e.tenant_id, model=e.model,
-        request_class=e.request_class, usage=p.usage(), finish_reason=finish_reason,
-        device_type=device_type, worker_ids=p.worker_ids)
+    attributes = _attributes(p, finish_reason, device_type)
     ctx = span.get_span_context() if span is not None else None
     now = time.time_ns()
     return billing.encode_record(
@@ -210,14 +215,6 @@ def billing_fields(p: RequestProgress, finish_reason: str, device_type: str,
 def record_usage(span: trace.Span, p: RequestProgress, finish_reason: str, device_type: str) -> None:
     """The request's usage on its dispatch span, for tracing; the bill itself is the record
     billing_fields makes (this span carries no llmmesh.usage.final, so costd never bills it)."""
-    u, e = p.usage(), p.entry
-    span.set_attributes({
-        telemetry.REQUEST_ID: e.request_id,
-        telemetry.TENANT_ID: e.tenant_id, telemetry.REQUEST_MODEL: e.model,
-        telemetry.REQUEST_CLASS: e.request_class, telemetry.OPERATION: "text_completion",
-        telemetry.INPUT_TOKENS: u["prompt_tokens"], telemetry.OUTPUT_TOKENS: u["completion_tokens"],
-        telemetry.CACHE_READ_TOKENS: u["cached_prompt_tokens"],
-        telemetry.PREFILL_DEVICE_S: u["prefill_device_s"],
-        telemetry.DECODE_DEVICE_S: u["decode_device_s"], telemetry.QUEUE_S: u["queue_s"],
-        telemetry.DEVICE_TYPE: device_type,
-        telemetry.WORKER_ID: ",".join(p.worker_ids), telemetry.FINISH_REASONS: [finish_reason]})
+    attributes = _attributes(p, finish_reason, device_type)
+    del attributes[telemetry.USAGE_FINAL]
+    span.set_attributes(attributes)

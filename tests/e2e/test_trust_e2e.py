@@ -14,10 +14,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from llmmesh import certs, mtls, queue
+from llmmesh import billing, certs, mtls, queue
 from llmmesh.identity import Role, allowed_roles
 from llmmesh.mtls import MeshIdentity
 from llmmesh.v1 import common_pb2, gateway_pb2, worker_pb2, worker_pb2_grpc
@@ -150,14 +150,6 @@ def test_each_method_answers_only_the_roles_that_may_call_it(mesh, stranger):
     assert any("CostService/GetUsage" in m for m, _ in rows)
 
 
-def _kv(key, value):
-    if isinstance(value, bool):
-        return KeyValue(key=key, value=AnyValue(bool_value=value))
-    if isinstance(value, int):
-        return KeyValue(key=key, value=AnyValue(int_value=value))
-    return KeyValue(key=key, value=AnyValue(string_value=str(value)))
-
-
 def _forged_bill(request_id: str) -> trace_service_pb2.ExportTraceServiceRequest:
     now = time.time_ns()
     attrs = {"llmmesh.usage.final": True, "llmmesh.request.id": request_id,
@@ -165,7 +157,8 @@ def _forged_bill(request_id: str) -> trace_service_pb2.ExportTraceServiceRequest
              "gen_ai.usage.input_tokens": 9_000_000, "gen_ai.usage.output_tokens": 9_000_000}
     span = trace_pb2.Span(trace_id=uuid.uuid4().bytes, span_id=b"\x01" * 8, name="router dispatch",
                           start_time_unix_nano=now - 10**9, end_time_unix_nano=now,
-                          attributes=[_kv(k, v) for k, v in attrs.items()])
+                          attributes=[KeyValue(key=k, value=billing.any_value(v))
+                                      for k, v in attrs.items()])
     return trace_service_pb2.ExportTraceServiceRequest(
         resource_spans=[{"scope_spans": [{"spans": [span]}]}])
 
