@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 
 import redis.asyncio as aioredis
 
 from gateway.batch_jobs import BatchJobs
 from gateway.frontend import Frontend, FrontendConfig
+from gateway.openai_http import HttpServer, OpenAIFront
 from gateway.servicer import GatewayServicer
 from gateway.tenants import TenantBook, TenantsFileError
 from gateway.validation import ServedModel
@@ -36,13 +38,16 @@ def _args() -> argparse.Namespace:
     p.add_argument("--tls-cert", default=env("LLMMESH_GATEWAY_TLS_CERT"),
                    help="PEM certificate for the public port (plaintext without one)")
     p.add_argument("--tls-key", default=env("LLMMESH_GATEWAY_TLS_KEY"))
+    p.add_argument("--http-listen", default=env("LLMMESH_GATEWAY_HTTP_LISTEN", "127.0.0.1:8000"),
+                   help="the OpenAI-compatible HTTP front (same TLS as the gRPC port); '' = off")
     args = p.parse_args()
     if bool(args.tls_cert) != bool(args.tls_key):
         p.error("--tls-cert and --tls-key go together")
-    host = args.listen.rsplit(":", 1)[0].strip("[]")
-    if not args.tls_cert and host not in ("127.0.0.1", "localhost", "::1"):
-        # API keys in plaintext are readable on the wire: only loopback may go without TLS.
-        p.error(f"--listen {args.listen} is not loopback: give --tls-cert/--tls-key")
+    for flag, listen in (("--listen", args.listen), ("--http-listen", args.http_listen)):
+        host = listen.rsplit(":", 1)[0].strip("[]") if listen else "127.0.0.1"
+        if not args.tls_cert and host not in ("127.0.0.1", "localhost", "::1"):
+            # API keys in plaintext are readable on the wire: only loopback may go without TLS.
+            p.error(f"{flag} {listen} is not loopback: give --tls-cert/--tls-key")
     return args
 
 
@@ -68,8 +73,22 @@ async def main() -> None:
 
     supervisor = Supervisor()   # no loops of its own: health follows Redis, its queue store
     supervisor.add_check("redis", redis_check(redis))
+    tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
+
+    # The OpenAI-compatible door, in this event loop: the same servicer's tenants, models,
+    # frontend and batch jobs. It listens before gRPC health says SERVING.
+    http = None
+    if args.http_listen:
+        http = HttpServer(OpenAIFront(frontend, tenants, servicer.models, model.name,
+                                      servicer.batch_jobs, healthy=supervisor.healthy).app(),
+                          args.http_listen, tls)
+        address = await http.start()
+        logging.getLogger("gateway").info("OpenAI-compatible HTTP front on %s://%s/v1",
+                                          http.scheme, address)
 
     async def close():
+        if http is not None:
+            await http.stop()
         await redis.aclose()
         telemetry.shutdown_tracing()
 
@@ -77,7 +96,7 @@ async def main() -> None:
         servicers=[(gateway_pb2_grpc.add_GatewayServiceServicer_to_server, servicer)],
         service_names=[gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name],
         on_shutdown=[close], public=True, healthy=supervisor.healthy,
-        public_tls=(args.tls_cert, args.tls_key) if args.tls_cert else None), args.listen)
+        public_tls=tls), args.listen)
 
 
 if __name__ == "__main__":

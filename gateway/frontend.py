@@ -46,6 +46,14 @@ class TokensOut:
 
 
 @dataclass(slots=True)
+class Admitted:
+    """The request passed admission and is queued (only when generate(announce=True)): a
+    front whose status line must say whether it was refused (HTTP) waits for this."""
+    request_id: str      # the mesh's id (tenant/client id/nonce): the ledger's key
+    request_class: str
+
+
+@dataclass(slots=True)
 class FinalOut:
     request_id: str
     request_class: str
@@ -60,15 +68,20 @@ class Frontend:
         self.tracer = tracer
         self.admission = Admission(redis)
 
-    async def generate(self, tenant: Tenant, req: ValidRequest,
-                       deadline_unix_ns: int) -> AsyncIterator[TokensOut | FinalOut]:
+    async def generate(self, tenant: Tenant, req: ValidRequest, deadline_unix_ns: int, *,
+                       announce: bool = False, span_attributes: dict | None = None,
+                       ) -> AsyncIterator[Admitted | TokensOut | FinalOut]:
+        """Admit, enqueue and relay one request. With `announce`, an Admitted event comes
+        first, once the request is queued; `span_attributes` go on the gateway's span."""
+        tenant.check_model(req.model.name)
         request_class = tenant.cap_class(req.requested_class)
         with self.tracer.start_as_current_span("gateway generate") as span:
             entry = self.build_entry(tenant, req, request_class, deadline_unix_ns)
             span.set_attributes({
                 telemetry.OPERATION: "text_completion", telemetry.REQUEST_MODEL: req.model.name,
                 telemetry.TENANT_ID: tenant.tenant_id, telemetry.REQUEST_ID: entry.request_id,
-                telemetry.CLIENT_REQUEST_ID: req.request_id, telemetry.REQUEST_CLASS: request_class})
+                telemetry.CLIENT_REQUEST_ID: req.request_id, telemetry.REQUEST_CLASS: request_class,
+                **(span_attributes or {})})
             try:
                 enqueue = asyncio.ensure_future(
                     self._admit_and_enqueue(tenant, req, entry, deadline_unix_ns))
@@ -82,6 +95,8 @@ class Frontend:
                         await asyncio.shield(enqueue)
                         await self._cancel(entry.request_id)
                     raise
+                if announce:
+                    yield Admitted(entry.request_id, request_class)
                 async for out in self._relay(req, entry.request_id, request_class, deadline_unix_ns):
                     if isinstance(out, FinalOut):
                         span.set_attributes({

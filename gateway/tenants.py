@@ -13,7 +13,7 @@ import tomllib
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-from llmmesh.errors import Unauthenticated
+from llmmesh.errors import PermissionDenied, Unauthenticated
 from llmmesh.queue import CLASSES
 
 
@@ -57,10 +57,19 @@ class Tenant:
     allowed_classes: tuple[str, ...]
     cache_scope: str
     plan: Plan = Plan()
+    # Model names this tenant may use; empty = every model the mesh serves.
+    allowed_models: tuple[str, ...] = ()
 
     def cap_class(self, requested: str) -> str:
         """The requested class if the plan allows it, else batch (the class every plan has)."""
         return requested if requested in self.allowed_classes else "batch"
+
+    def check_model(self, model: str) -> None:
+        """PermissionDenied unless the tenant may use `model` (a class is capped; a model is not:
+        another model would be another answer, not a slower one)."""
+        if self.allowed_models and model not in self.allowed_models:
+            raise PermissionDenied(f"model {model!r} is not in tenant {self.tenant_id}'s plan; "
+                                   f"allowed: {', '.join(self.allowed_models)}")
 
 
 def hash_key(api_key: str) -> str:
@@ -70,7 +79,8 @@ def hash_key(api_key: str) -> str:
 _PLAN_INTS = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "token_budget")
 # Every key a tenant's table may hold: anything else (a typo such as `token_budjet`) is refused,
 # never read as "no limit".
-_TENANT_KEYS = ("api_key_sha256", "allowed_classes", "cache_scope", *_PLAN_INTS, "budget_period")
+_TENANT_KEYS = ("api_key_sha256", "allowed_classes", "allowed_models", "cache_scope", *_PLAN_INTS,
+                "budget_period")
 _DIGEST = re.compile(r"^[0-9a-fA-F]{64}$")
 
 
@@ -115,7 +125,7 @@ def _check(path: str, text: str, raw: dict) -> None:
                 fail(table, key, f"must be one of {', '.join(_PERIODS)}, got {value!r}")
             if key == "cache_scope" and (not isinstance(value, str) or not value):
                 fail(table, key, "must be a non-empty string")
-            if key in ("api_key_sha256", "allowed_classes") and not (
+            if key in ("api_key_sha256", "allowed_classes", "allowed_models") and not (
                     isinstance(value, list) and all(isinstance(v, str) for v in value)):
                 fail(table, key, "must be a list of strings")
             if key == "api_key_sha256" and not all(_DIGEST.match(v) for v in value):
@@ -130,7 +140,8 @@ def _parse(raw: dict) -> dict[str, Tenant]:
     for tenant_id, body in raw.get("tenants", {}).items():
         classes = tuple(body.get("allowed_classes", CLASSES))
         plan = Plan(**{k: body[k] for k in Plan.__dataclass_fields__ if k in body})
-        tenant = Tenant(tenant_id, classes, body.get("cache_scope", tenant_id), plan)
+        tenant = Tenant(tenant_id, classes, body.get("cache_scope", tenant_id), plan,
+                        tuple(body.get("allowed_models", ())))
         for digest in body.get("api_key_sha256", []):
             by_digest[digest.lower()] = tenant
     return by_digest

@@ -28,10 +28,11 @@ def _port_free(address: str) -> bool:
 def up(workers: int = typer.Option(1, help="worker processes"),
        gateway: str = typer.Option("127.0.0.1:50051", help="gateway listen address"),
        costd: str = typer.Option("127.0.0.1:50055", help="costd listen address"),
+       http: str = typer.Option("127.0.0.1:8000", help="the gateway's OpenAI-compatible HTTP address"),
        var_dir: str = typer.Option("var", help="ledger, logs and redis files")) -> None:
     """Start redis (unless REDIS_URL is set), costd, workers, router and gateway; Ctrl-C stops all."""
     from llmmesh.launcher import Mesh
-    for name, address in (("gateway", gateway), ("costd", costd)):
+    for name, address in (("gateway", gateway), ("costd", costd), ("http", http)):
         if not _port_free(address):
             typer.echo(f"{address} is in use; pass --{name} HOST:PORT", err=True)
             raise typer.Exit(2)
@@ -44,7 +45,8 @@ def up(workers: int = typer.Option(1, help="worker processes"),
             loop.add_signal_handler(sig, stop.set)
         typer.echo("starting the mesh (the worker loads the model; logs in "
                    f"{mesh.log_dir}) ...")
-        await mesh.up(num_workers=workers, gateway_listen=gateway, costd_listen=costd)
+        await mesh.up(num_workers=workers, gateway_listen=gateway, costd_listen=costd,
+                      http_listen=http)
         _print_ready(mesh)
         while not stop.is_set():
             dead = [p.name for p in mesh.procs.values() if not p.alive()]
@@ -67,13 +69,22 @@ def up(workers: int = typer.Option(1, help="worker processes"),
 def _print_ready(mesh) -> None:
     from llmmesh.launcher import redacted
     gw, cd = mesh.procs["gateway"].address, mesh.procs["costd"].address
-    typer.echo(f"\nllmmesh is up.\n  gateway  {gw}\n  costd    {cd}\n  redis    {redacted(mesh.redis_url)}")
+    base = mesh.openai_base_url
+    typer.echo(f"\nllmmesh is up.\n  gateway  {gw} (gRPC)\n  openai   {base} (HTTP, OpenAI-compatible)"
+               f"\n  costd    {cd}\n  redis    {redacted(mesh.redis_url)}")
     for tenant, key in DEMO_KEYS.items():
         typer.echo(f"  tenant {tenant:<7} API key {key}")
     typer.echo("\nTry:\n"
                f"  .venv/bin/llmmesh generate --gateway {gw} --api-key {DEMO_KEYS['acme']} "
                "\"What is the capital of Japan?\"\n"
-               f"  .venv/bin/llmmesh usage --costd {cd} --tenant acme\n\nCtrl-C stops everything.")
+               f"  .venv/bin/llmmesh usage --costd {cd} --tenant acme\n"
+               "\nOr with the openai SDK (pip install openai):\n"
+               "  from openai import OpenAI\n"
+               f"  client = OpenAI(base_url=\"{base}\", api_key=\"{DEMO_KEYS['acme']}\")\n"
+               "  r = client.chat.completions.create(model=\"smollm2-135m-instruct\",\n"
+               "      messages=[{\"role\": \"user\", \"content\": \"What is the capital of Japan?\"}])\n"
+               "  print(r.choices[0].message.content, r.usage)\n"
+               "\nCtrl-C stops everything.")
 
 
 @app.command()

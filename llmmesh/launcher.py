@@ -64,6 +64,7 @@ class Proc:
     name: str
     popen: subprocess.Popen
     address: str | None = None
+    http_address: str | None = None   # the gateway's OpenAI-compatible HTTP front
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -94,6 +95,11 @@ class Mesh:
         self.env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                     "PYTHONUNBUFFERED": "1", TLS_DIR_ENV: self.tls_dir}
 
+    @property
+    def openai_base_url(self) -> str:
+        """The gateway's OpenAI-compatible base URL (plaintext on loopback)."""
+        return f"http://{self.procs['gateway'].http_address}/v1"
+
     def identity(self, role: Role = Role.ADMIN) -> MeshIdentity:
         """A role's certificate in this mesh (tests call internal ports as ADMIN or another role)."""
         return MeshIdentity(Path(self.tls_dir), role)
@@ -119,7 +125,7 @@ class Mesh:
         return self.redis_url
 
     def start_service(self, name: str, module: str, extra: list[str] | None = None,
-                      address: str | None = None) -> Proc:
+                      address: str | None = None, http_listen: str | None = None) -> Proc:
         address = address or f"127.0.0.1:{free_port()}"
         # The Redis URL (with its password) goes by environment: argv is visible to every user.
         argv = [sys.executable, "-m", module, "--listen", address]
@@ -131,8 +137,16 @@ class Mesh:
             argv += ["--otlp-endpoint", ",".join(endpoints)]
             if module == "router":   # bills go to costd alone, not to every trace receiver
                 argv += ["--costd", self.procs["costd"].address]
+        http = None
+        if module == "gateway":
+            extra = list(extra or [])
+            if "--http-listen" in extra:
+                http = extra[extra.index("--http-listen") + 1] or None
+            else:
+                http = http_listen or f"127.0.0.1:{free_port()}"
+                extra += ["--http-listen", http]
         proc = Proc(name, self._spawn(name, argv + (extra or []), {"REDIS_URL": self.redis_url or ""}),
-                    address)
+                    address, http)
         self.procs[name] = proc
         return proc
 
@@ -157,7 +171,7 @@ class Mesh:
 
     async def up(self, num_workers: int = 1, timeout_s: float = 180.0,
                  gateway_listen: str | None = None, costd_listen: str | None = None,
-                 num_routers: int = 1) -> None:
+                 num_routers: int = 1, http_listen: str | None = None) -> None:
         if not self.redis_url:
             self.start_redis()
         self.start_service("costd", "costd", address=costd_listen)
@@ -167,7 +181,8 @@ class Mesh:
         for i in range(num_routers):
             name = "router" if i == 0 else f"router{i}"
             self.start_service(name, "router", ["--consumer", name, *self.router_args])
-        self.start_service("gateway", "gateway", self.gateway_args, address=gateway_listen)
+        self.start_service("gateway", "gateway", self.gateway_args, address=gateway_listen,
+                           http_listen=http_listen)
         await self.wait_ready([n for n in self.procs if n not in ("redis", "costd")], timeout_s)
 
     def start_worker(self, name: str) -> Proc:
