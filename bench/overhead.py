@@ -15,20 +15,24 @@ import argparse
 import asyncio
 import json
 import random
+import sqlite3
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from bench import fronts
 from bench.environment import environment
 from bench.profile import load_profile
-from bench.targets import MeshTarget, WorkerTarget
+from bench.targets import HttpMeshTarget, MeshTarget, WorkerTarget
 from bench.workload import closed_loop
 from llmmesh.models import resolve_model
 from llmmesh.tokenizer import Tokenizer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TARGET_TTFT_MS, TARGET_TPOT_MS = 5.0, 0.5
+# Issue 17: what the HTTP front adds over the gRPC front, same mesh, same run.
+TARGET_HTTP_TTFT_MS, TARGET_HTTP_TPOT_MS = 1.0, 0.1
 
 
 async def _timed(target, spec) -> dict:
@@ -47,12 +51,38 @@ async def _timed(target, spec) -> dict:
         else:
             usage = event
     tpot = (last - first) / (tokens - 1) if tokens > 1 else None
+    if tokens and usage.get("completion_tokens", tokens) != tokens:
+        # A chunk with no new text (half a UTF-8 character) is not sent over HTTP: the span from
+        # first to last chunk still covers the same tokens.
+        tpot = (last - first) / (usage["completion_tokens"] - 1)
     # The part of TTFT spent outside the engine: the prefill's device time (the same work on
     # both paths, and most of the run-to-run noise) taken out. Not usage's queue time: through
     # the mesh it counts from the gateway's enqueue, so it holds the very hops measured here.
     engine_s = usage.get("prefill_device_s", 0.0)
-    return {"ttft_s": first - sent, "tpot_s": tpot, "tokens": tokens,
-            "ttft_outside_engine_s": first - sent - engine_s}
+    row = {"ttft_s": first - sent, "tpot_s": tpot, "tokens": tokens,
+           "ttft_outside_engine_s": first - sent - engine_s}
+    if "request_id" in usage:      # HTTP: the prefill's device time comes from the ledger later
+        row["request_id"], row["ttft_outside_engine_s"] = usage["request_id"], None
+    return row
+
+
+async def _prefill_from_ledger(ledger: str, rows: list[dict], timeout_s: float = 30.0) -> None:
+    """Fill ttft_outside_engine_s of rows that carry a mesh request id, from costd's ledger."""
+    want = {r["request_id"]: r for r in rows if r.get("request_id")}
+    deadline = time.monotonic() + timeout_s
+    while want and time.monotonic() < deadline:
+        conn = sqlite3.connect(ledger)
+        try:
+            marks = ",".join("?" * len(want))
+            for rid, prefill in conn.execute(f"SELECT request_id, prefill_device_s FROM usage_records "
+                                             f"WHERE request_id IN ({marks})", list(want)):
+                row = want.pop(rid)
+                row["ttft_outside_engine_s"] = row["ttft_s"] - prefill
+        except sqlite3.OperationalError:
+            pass   # the ledger is not there yet
+        finally:
+            conn.close()
+        await asyncio.sleep(0.5)
 
 
 async def measure(pairs: int, seed: int, worker_args: list[str]) -> dict:
@@ -61,7 +91,7 @@ async def measure(pairs: int, seed: int, worker_args: list[str]) -> dict:
     # Distinct documents for every request (a repeated prompt would be a prefix-cache hit for
     # whichever path sent it second): the closed-loop generator's slots give as many as needed.
     per_slot = profile.closed_loop.requests_per_slot
-    specs = closed_loop(profile, tok, -(-(2 * pairs + 4) // per_slot))
+    specs = closed_loop(profile, tok, -(-(3 * pairs + 6) // per_slot))
     assert len({s.prompt_token_ids for s in specs}) == len(specs), "prompts must be distinct"
     rng = random.Random(seed)
     mesh = MeshTarget("var/bench-overhead", 1, worker_args)
@@ -69,19 +99,24 @@ async def measure(pairs: int, seed: int, worker_args: list[str]) -> dict:
     direct = WorkerTarget("var/bench-overhead-direct", attach_address=mesh.worker_addresses[0],
                           tls_dir=mesh.mesh.tls_dir)
     await direct.start()
+    http = HttpMeshTarget(mesh.mesh.procs["gateway"].http_address)
+    await http.start()
     rows = []
     try:
-        for spec in specs[:4]:                 # warm both paths (first calls, allocator)
-            await _timed(mesh, spec)
-            await _timed(direct, spec)
+        for spec in specs[:6]:                 # warm every path (first calls, allocator)
+            for target in (mesh, direct, http):
+                await _timed(target, spec)
         for i in range(pairs):
-            order = [("mesh", mesh), ("direct", direct)]
+            order = [("mesh", mesh), ("direct", direct), ("http", http)]
             rng.shuffle(order)
             row = {}
             for j, (name, target) in enumerate(order):
-                row[name] = await _timed(target, specs[4 + 2 * i + j])
+                row[name] = await _timed(target, specs[6 + 3 * i + j])
             rows.append(row)
+        await _prefill_from_ledger(str(Path(mesh.mesh.var_dir) / "ledger.sqlite"),
+                                   [r["http"] for r in rows])
     finally:
+        await http.stop()
         await direct.stop()
         await mesh.stop()
     return {"pairs": rows, "describe": mesh.describe()}
@@ -91,11 +126,12 @@ def _ms(x: float | None) -> str:
     return "–" if x is None else f"{x * 1e3:.1f}"
 
 
-def summarise(rows: list[dict]) -> dict:
+def summarise(rows: list[dict], over: str = "mesh", base: str = "direct") -> dict:
     out = {}
     for metric in ("ttft_s", "tpot_s", "ttft_outside_engine_s"):
-        pairs = [(r["mesh"][metric], r["direct"][metric]) for r in rows
-                 if r["mesh"].get(metric) is not None and r["direct"].get(metric) is not None]
+        pairs = [(r[over][metric], r[base][metric]) for r in rows
+                 if over in r and base in r
+                 and r[over].get(metric) is not None and r[base].get(metric) is not None]
         if not pairs:
             continue
         diffs = [m - d for m, d in pairs]
@@ -139,6 +175,38 @@ def report(result: dict, command: str, env: dict) -> str:
         lines.append(f"| {name} | {_ms(m['mesh_p50'])} | {_ms(m['direct_p50'])} | "
                      f"{added:+.2f} | {m['added_q1'] * 1e3:+.2f} – {m['added_q3'] * 1e3:+.2f} | "
                      f"{verdict} |")
+    if result.get("fronts"):
+        lines += ["", "## The HTTP front over the gRPC front (judged)", "",
+                  "Issue 17's row. `bench.fronts`, in the same run: the real gateway (both doors, "
+                  "one process), Redis and costd, with this process as router and worker "
+                  "(it answers each queued request from its result stream at once and notes when "
+                  "it wrote each token; the client notes when each arrives, same clock). The "
+                  "engine and its noise are out of the reading; what is left is each front's "
+                  "path.", "", *fronts.report_lines(result["fronts"])]
+    h = result.get("http_summary")
+    if h:
+        lines += ["", "## The HTTP front over the gRPC front, through the whole mesh (context)", "",
+                  "The same mesh, the same run: each round also sends one request through the "
+                  "gateway's OpenAI-compatible HTTP front (`POST /v1/chat/completions`, SSE, httpx "
+                  "as client) and the three go in random order. \"added\" is the median of the "
+                  "per-round differences HTTP − gRPC, both measured at the client (each client "
+                  f"library's own cost included). Issue 17 target: ≤ {TARGET_HTTP_TTFT_MS:g} ms "
+                  f"added p50 TTFT, ≤ {TARGET_HTTP_TPOT_MS:g} ms added per token. The last row "
+                  "takes each request's prefill device time out (the HTTP request's from costd's "
+                  "ledger, by its x-request-id): the fronts' own cost without the prefill's noise.", "",
+                  "| metric | HTTP p50 (ms) | gRPC p50 (ms) | added, median of rounds (ms) | q1 – q3 (ms) | target |",
+                  "|---|---|---|---|---|---|"]
+        for metric, name, limit in (("ttft_s", "TTFT", TARGET_HTTP_TTFT_MS),
+                                    ("tpot_s", "time per output token", TARGET_HTTP_TPOT_MS),
+                                    ("ttft_outside_engine_s", "TTFT outside the engine", None)):
+            m = h.get(metric)
+            if m is None:
+                continue
+            added = m["added_p50"] * 1e3
+            verdict = "(diagnostic)" if limit is None else f"≤ {limit:g} {'✅' if added <= limit else '❌'}"
+            lines.append(f"| {name} | {m['mesh_p50'] * 1e3:.2f} | {m['direct_p50'] * 1e3:.2f} | "
+                         f"{added:+.3f} | {m['added_q1'] * 1e3:+.3f} – {m['added_q3'] * 1e3:+.3f} | "
+                         f"{verdict} |")
     return "\n".join(lines) + "\n"
 
 
@@ -147,12 +215,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pairs", type=int, default=60)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--worker-args", default="", help="extra worker flags, one string")
+    p.add_argument("--front-rounds", type=int, default=200,
+                   help="rounds of bench.fronts (HTTP vs gRPC front, engine out); 0 = skip")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args(argv)
     command = "python -m bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv)
     env = environment()
     result = asyncio.run(measure(args.pairs, args.seed, args.worker_args.split()))
+    if args.front_rounds:
+        result["fronts"] = asyncio.run(fronts.measure(rounds=args.front_rounds, seed=args.seed))
     result["summary"] = summarise(result["pairs"])
+    result["http_summary"] = summarise(result["pairs"], over="http", base="mesh")
     result["environment"], result["command"] = env, command.strip()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

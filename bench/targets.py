@@ -142,6 +142,56 @@ class MeshTarget:
             await asyncio.to_thread(self.mesh.down)
 
 
+class HttpMeshTarget:
+    """The same mesh through the gateway's OpenAI-compatible HTTP front (SSE), attached to a
+    MeshTarget's gateway: bench.overhead pairs it with the gRPC front request by request."""
+
+    name = "mesh-http"
+
+    def __init__(self, http_address: str):
+        self.base = f"http://{http_address}/v1"
+
+    async def start(self) -> None:
+        self.client = httpx.AsyncClient(base_url=self.base, timeout=httpx.Timeout(None),
+                                        limits=httpx.Limits(max_keepalive_connections=8))
+
+    async def stream(self, spec: RequestSpec) -> AsyncIterator[Event]:
+        body = {"model": DEFAULT_MODEL, "max_tokens": spec.max_tokens, "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True},
+                "messages": [{"role": r, "content": c} for r, c in spec.messages]}
+        headers = {"authorization": f"Bearer {API_KEYS[spec.tenant]}"}
+        if spec.request_class == "batch":
+            body["service_tier"] = "flex"
+        async with self.client.stream("POST", "/chat/completions", json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                raise TargetError(f"HTTP_{resp.status_code}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    u = event["usage"]
+                    # The mesh's request id (the ledger's key): device times are read from there.
+                    yield {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+                           "cached_prompt_tokens": u["prompt_tokens_details"]["cached_tokens"],
+                           "request_id": resp.headers.get("x-request-id", "")}
+                elif event["choices"] and event["choices"][0]["delta"].get("content"):
+                    yield 1   # interactive: one token per chunk
+
+    async def load(self) -> dict | None:
+        return None
+
+    async def bill(self, start_unix_s: float, end_unix_s: float, num_requests: int) -> dict | None:
+        return None
+
+    def describe(self) -> str:
+        return f"llmmesh mesh through its OpenAI-compatible HTTP front ({self.base})"
+
+    async def stop(self) -> None:
+        if hasattr(self, "client"):
+            await self.client.aclose()
+
+
 class WorkerTarget:
     """One worker process alone (Redis only for its lease; costd only receives its spans)."""
 

@@ -84,3 +84,16 @@ def test_tiny_bench_against_a_real_mesh(tmp_path):
     pngs = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
     assert pngs and all((tmp_path / "out" / p).read_bytes()[:4] == b"\x89PNG" for p in pngs)
     assert workload.offered_rps(profile, 1.0) == pytest.approx(1.1)
+
+
+def test_fronts_bench_measures_both_doors_token_for_token(tmp_path):
+    """bench.fronts at a tiny scale: the real gateway's two doors against its fake engine; every
+    token written is received on each door, and the report judges the minimal-client row."""
+    from bench import fronts
+    result = asyncio.run(fronts.measure(rounds=8, tokens=6, pace_s=0.002, var_dir=str(tmp_path)))
+    assert len(result["rows"]) == 8
+    for row in result["rows"]:
+        for door in ("grpc", "http", "httpx"):
+            assert 0 < row[door]["ttft_s"] < 5 and 0 < row[door]["delivery_s"] < 1
+    text = "\n".join(fronts.report_lines(result))
+    assert text.count("✅") + text.count("❌") == 2 and text.count("(context)") == 2

@@ -84,3 +84,19 @@ def test_a_bad_file_at_reload_keeps_the_last_good_one(tmp_path, caplog):
     assert "not reloaded, keeping the last good one" in caplog.text and "not valid TOML" in caplog.text
     _write(f, f'[tenants.a]\napi_key_sha256 = ["{hash_key("k9")}"]\n', 3_000_000_000)
     assert book.authenticate([("authorization", "Bearer k9")]).tenant_id == "a"   # fixed: taken
+
+
+def test_allowed_models_refuse_other_models_and_unset_allows_all(tmp_path):
+    from llmmesh.errors import PermissionDenied
+    f = tmp_path / "tenants.toml"
+    f.write_text(f'[tenants.a]\napi_key_sha256 = ["{hash_key("k1")}"]\nallowed_models = ["m1"]\n'
+                 f'[tenants.b]\napi_key_sha256 = ["{hash_key("k2")}"]\n')
+    book = TenantBook(str(f))
+    a = book.authenticate([("authorization", "Bearer k1")])
+    a.check_model("m1")
+    with pytest.raises(PermissionDenied, match="'m2' is not in tenant a's plan; allowed: m1"):
+        a.check_model("m2")
+    book.authenticate([("authorization", "Bearer k2")]).check_model("m2")   # unset: every model
+    f.write_text(f'[tenants.a]\napi_key_sha256 = ["{hash_key("k1")}"]\nallowed_models = "m1"\n')
+    with pytest.raises(TenantsFileError, match=r":3: tenants.a.allowed_models: must be a list"):
+        TenantBook(str(f))
