@@ -165,11 +165,18 @@ class Frontend:
                      deadline_unix_ns: int) -> AsyncIterator[TokensOut | FinalOut]:
         detok = TextStream(req.model.tokenizer, req.sampling.get("stop"))
         stream, last_id, finished, next_index = queue.result_stream(request_id), "0-0", False, 0
+        task = asyncio.current_task()
         try:
             while True:
                 if deadline_unix_ns and time.time_ns() > deadline_unix_ns:
                     raise DeadlineExceeded("deadline passed before the request finished")
                 reply = await self.redis.xread({stream: last_id}, count=64, block=_POLL_BLOCK_MS)
+                if task is not None and task.cancelling():
+                    # The client went away but the cancel was swallowed on the way: Python
+                    # 3.11's asyncio.wait_for (redis-py wraps each send in it) returns its
+                    # result instead of raising when the cancel lands as the send completes
+                    # (CPython gh-86296). The request must still end here.
+                    raise asyncio.CancelledError("client cancelled (re-raised after a lost cancel)")
                 for _, entries in reply or ():
                     for entry_id, fields in entries:
                         last_id = entry_id

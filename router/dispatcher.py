@@ -249,6 +249,12 @@ class Dispatcher:
         e = p.entry
         await self.redis.expire(queue.result_stream(e.request_id), queue.RESULT_TTL_S)
         if e.job_id:
+            if outcome.get("finish_reason") in ("cancelled", "abort"):
+                # Cancelled while it ran: a failed item of its job (BatchJob.num_failed counts
+                # cancelled ones), not a completion; its tokens stay in the result and in the
+                # job's totals, since they are billed.
+                outcome = {**outcome, "error_code": "CANCELLED",
+                           "error_message": f"cancelled after {len(p.delivered)} tokens"}
             await self.jobs.record(e.job_id, e.job_index, e.request_id,
                                    token_ids=p.delivered, **outcome)
         if e.reservation:

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from llmmesh.v1 import gateway_pb2, gateway_pb2_grpc
+from llmmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.e2e.meshkit import DEMO_KEYS, auth, chat, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -63,6 +63,9 @@ def test_cancel_ends_every_unfinished_request(mesh, gateway):
     assert len(results) == 12
     errors = [r for r in results if r.error_code]
     assert errors and all(r.error_code == "CANCELLED" for r in errors)
+    # A request cancelled while it ran is a failed item too, never a "completed" one.
+    assert all(r.final.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+               for r in results if not r.error_code)
     final = _job(gateway, job.job_id)
     assert final.num_completed + final.num_failed == 12 and final.num_failed == len(errors)
 

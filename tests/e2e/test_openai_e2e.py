@@ -317,6 +317,38 @@ def test_batch_api_round_trip_seen_from_grpc_too(mesh):
         assert isinstance(_status_of(fn), openai.NotFoundError)
 
 
+def test_cancelling_a_batch_ends_its_unfinished_requests(mesh):
+    client = _client(mesh)
+    lines = [{"custom_id": f"long-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODEL, "max_tokens": 200,
+                       "messages": [{"role": "user", "content": f"Write a long story, number {i}."}]}}
+             for i in range(12)]
+    upload = client.files.create(file=("long.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
+                                 purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+
+    def cancelled():
+        b = client.batches.retrieve(batch.id)
+        return b if b.status == "cancelled" else None
+    done = wait_until(cancelled, 60, interval_s=0.3, what="the batch to be cancelled")
+    counts = done.request_counts
+    assert counts.completed + counts.failed == 12 and counts.failed >= 6
+    outputs = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()] \
+        if done.output_file_id else []
+    assert len(outputs) == counts.completed     # only whole completions in the output file
+    assert all(o["response"]["body"]["choices"][0]["finish_reason"] in ("stop", "length") for o in outputs)
+    errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+    assert len(errors) == counts.failed
+    assert {e["error"]["code"] for e in errors} == {"cancelled"}
+    assert {e["custom_id"] for e in errors} <= {f"long-{i}" for i in range(12)}
+    with grpc.insecure_channel(mesh.procs["gateway"].address) as channel:
+        job = gateway_pb2_grpc.GatewayServiceStub(channel).GetBatch(
+            gateway_pb2.GetBatchRequest(job_id=batch.id), metadata=auth(KEYS["acme"]), timeout=10)
+    assert job.status == gateway_pb2.BATCH_STATUS_CANCELLED and job.num_failed == counts.failed
+
+
 def test_a_bad_batch_line_is_named_and_nothing_is_queued(mesh):
     client = _client(mesh)
     lines = _batch_file(3).decode().splitlines()

@@ -54,3 +54,46 @@ def test_cancel_during_enqueue_aborts_only_what_was_enqueued(redis_server, outco
     cancelled = asyncio.run(body())
     # Enqueued: aborted. Refused (the id is someone else's): left alone.
     assert cancelled == (1 if outcome[0] == 0 else 0)
+
+
+def test_a_cancel_lost_inside_redis_py_still_ends_the_relay_and_aborts(redis_server):
+    """Python 3.11's asyncio.wait_for (around every redis-py send) returns its result instead of
+    raising when a cancel lands as the send completes: the cancel is lost, the task goes on with
+    cancelling() > 0. The relay must notice at its next read and still end the request (before
+    the fix the client's request kept running to its end on the worker)."""
+    async def body():
+        client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        frontend = Frontend(client, FrontendConfig(), trace.get_tracer("test"))
+
+        async def enqueue(**_):
+            return (0, 0.0)
+        frontend.admission.admit_and_enqueue = enqueue
+        real_xread, reads = client.xread, []
+
+        async def xread_losing_one_cancel(*args, **kwargs):
+            reads.append(1)
+            try:
+                return await real_xread(*args, **kwargs)
+            except asyncio.CancelledError:
+                if len(reads) > 1:
+                    raise
+                return []        # what asyncio.wait_for does when its inner future is done
+        client.xread = xread_losing_one_cancel
+        req = ValidRequest("lost-cancel", ServedModel("m", 2048, "int8", _Tokenizer()), [1, 2, 3],
+                           {"max_tokens": 4, "stop": []}, "interactive")
+        tenant = Tenant("acme", ("interactive", "batch"), "acme")
+
+        async def consume():
+            async for _ in frontend.generate(tenant, req, 0):
+                pass
+        task = asyncio.create_task(consume())
+        while not reads:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 2.0)    # not a TimeoutError: the relay ended
+        cancelled = len(await client.keys(queue.cancel_key("acme/lost-cancel/*")))
+        await client.aclose()
+        return cancelled, len(reads)
+    cancelled, reads = asyncio.run(body())
+    assert cancelled == 1 and reads <= 2
