@@ -5,10 +5,12 @@ import logging
 from collections.abc import Callable
 
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from prometheus_client import CollectorRegistry
 
 from costd.billing import Billing
 from costd.config import CostdConfig
 from costd.ledger import UsageLedger
+from costd.metrics import CostdMetrics
 from costd.pipeline import Pipeline
 from costd.pricebook import PriceBook
 from costd.receiver import TraceReceiver
@@ -16,7 +18,7 @@ from costd.service import CostServicer
 from costd.usage import UsageProcessor
 from costd.whatif.curve import load_curves
 from costd.whatif.planner import WhatIfPlanner
-from llmmesh import server
+from llmmesh import metrics, server
 from llmmesh.identity import Role
 from llmmesh.mtls import MeshIdentity
 from llmmesh.v1 import cost_pb2, cost_pb2_grpc
@@ -60,6 +62,10 @@ async def serve(config: CostdConfig) -> None:
     book = PriceBook.load(config.prices_path)
     planner = WhatIfPlanner(book, load_curves(config.curves_dir))
     pipeline = CostPipeline(UsageLedger(config.ledger))
+    if config.metrics_port >= 0:
+        registry = CollectorRegistry()
+        pipeline.ledger.metrics = pipeline.receiver.metrics = CostdMetrics(registry)
+        metrics.serve(config.metrics_port, registry, config.metrics_host)
     await pipeline.start()
     try:
         spec = server.ServiceSpec(servicers=build_servicers(pipeline, planner, config),

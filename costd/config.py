@@ -38,6 +38,8 @@ class CostdConfig:
     idle_policy: IdlePolicy = IdlePolicy.UNUSED
     # ca.pem, costd.pem, costd.key (llmmesh certs); None: LLMMESH_TLS_DIR.
     tls_dir: str | None = None
+    metrics_port: int = -1          # Prometheus metrics (0: any free port; -1: off)
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -68,8 +70,13 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Cost
                         help=f"default idle capacity policy (env {IDLE_POLICY_ENV})")
     parser.add_argument("--tls-dir", default=environ.get(TLS_DIR_ENV),
                         help=f"the mesh's TLS files (env {TLS_DIR_ENV})")
+    parser.add_argument("--metrics-port", type=int,
+                        default=int(environ.get("LLMMESH_METRICS_PORT", -1)),
+                        help="serve Prometheus metrics on this port (0: any free one; -1: off)")
+    parser.add_argument("--metrics-host", default=environ.get("LLMMESH_METRICS_HOST", "127.0.0.1"))
     args = parser.parse_args(argv)
     return CostdConfig(listen=args.listen, ledger=LedgerConfig.from_url(args.db),
                        grace_s=args.grace_s, prices_path=args.prices,
                        curves_dir=args.curves_dir, idle_policy=IdlePolicy(args.idle_policy),
-                       tls_dir=args.tls_dir)
+                       tls_dir=args.tls_dir, metrics_port=args.metrics_port,
+                       metrics_host=args.metrics_host)

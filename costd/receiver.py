@@ -69,6 +69,7 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
 
     def __init__(self, next_consumer: Consumer[Sequence[Span]]) -> None:
         self._next = next_consumer
+        self.metrics = None   # costd.metrics.CostdMetrics, or None
         # Billing spans refused for their sender's identity, since start (costd's log says each).
         self.num_refused_by_identity = 0
 
@@ -82,7 +83,13 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                      context: grpc.aio.ServicerContext) -> trace_service_pb2.ExportTraceServiceResponse:
         # Errors travel up to llmmesh.server's interceptor: RetryableError → UNAVAILABLE (the
         # sender keeps the spans and retries), anything else → INTERNAL.
-        spans, refused = sort_by_sender(spans_of(request), peer_role(context))
+        sender = peer_role(context)
+        received = spans_of(request)
+        spans, refused = sort_by_sender(received, sender)
+        if self.metrics is not None:
+            self.metrics.spans.labels(sender.value if sender else "unknown").inc(len(received))
+            if refused:
+                self.metrics.rejected.labels("sender_may_not_bill").inc(len(refused))
         if refused:
             self.num_refused_by_identity += len(refused)
             log.warning("refused %d billing spans for their sender (%d since start): %s",
@@ -94,5 +101,7 @@ class TraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
             raise
         if rejections:
             log.warning("rejected %d usage spans: %s", len(rejections), rejections[0])
+            if self.metrics is not None and len(rejections) > len(refused):
+                self.metrics.rejected.labels("unusable").inc(len(rejections) - len(refused))
         return trace_service_pb2.ExportTraceServiceResponse(
             partial_success=partial_success(rejections))

@@ -7,14 +7,16 @@ import logging
 import os
 
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
 
 from gateway.batch_jobs import BatchJobs
 from gateway.frontend import Frontend, FrontendConfig
+from gateway.metrics import GatewayMetrics
 from gateway.openai_http import HttpServer, OpenAIFront
 from gateway.servicer import GatewayServicer
 from gateway.tenants import TenantBook, TenantsFileError
 from gateway.validation import ServedModel
-from llmmesh import server, telemetry
+from llmmesh import metrics, server, telemetry
 from llmmesh.identity import Role
 from llmmesh.mtls import MeshIdentity
 from llmmesh.supervisor import Supervisor, redis_check
@@ -40,6 +42,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--tls-key", default=env("LLMMESH_GATEWAY_TLS_KEY"))
     p.add_argument("--http-listen", default=env("LLMMESH_GATEWAY_HTTP_LISTEN", "127.0.0.1:8000"),
                    help="the OpenAI-compatible HTTP front (same TLS as the gRPC port); '' = off")
+    metrics.add_arguments(p)
     args = p.parse_args()
     if bool(args.tls_cert) != bool(args.tls_key):
         p.error("--tls-cert and --tls-key go together")
@@ -63,7 +66,10 @@ async def main() -> None:
     # socket_timeout well above the relay's 500 ms XREAD block: a hung Redis cannot hang a call.
     redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True, socket_timeout=5.0,
                                     socket_connect_timeout=2.0, health_check_interval=10)
-    frontend = Frontend(redis, FrontendConfig(block_size=args.block_size), tracer)
+    registry = CollectorRegistry()
+    frontend = Frontend(redis, FrontendConfig(block_size=args.block_size), tracer,
+                        GatewayMetrics(registry))
+    metrics.start(args, registry)
     try:
         tenants = TenantBook(args.tenants)
     except (TenantsFileError, OSError) as exc:

@@ -17,8 +17,8 @@ from gateway.validation import ValidRequest
 from llmmesh import queue, telemetry
 from llmmesh.admission import ALREADY_USED, QUEUE_FULL, REFUSALS, Admission, Reservation
 from llmmesh.admission import keys as admission_keys
-from llmmesh.errors import (AlreadyExists, DeadlineExceeded, InvalidArgument, ResourceExhausted,
-                            Unavailable, error_from_code)
+from llmmesh.errors import (AlreadyExists, DeadlineExceeded, InvalidArgument, MeshError,
+                            ResourceExhausted, Unavailable, error_from_code)
 from llmmesh.prefix_hash import block_hashes
 
 # How long one XREAD blocks; bounds how late a deadline or a dead Redis is noticed.
@@ -62,11 +62,12 @@ class FinalOut:
 
 
 class Frontend:
-    def __init__(self, redis: aioredis.Redis, config: FrontendConfig, tracer):
+    def __init__(self, redis: aioredis.Redis, config: FrontendConfig, tracer, metrics=None):
         self.redis = redis
         self.config = config
         self.tracer = tracer
         self.admission = Admission(redis)
+        self.metrics = metrics    # gateway.metrics.GatewayMetrics, or None
 
     async def generate(self, tenant: Tenant, req: ValidRequest, deadline_unix_ns: int, *,
                        announce: bool = False, span_attributes: dict | None = None,
@@ -75,6 +76,43 @@ class Frontend:
         first, once the request is queued; `span_attributes` go on the gateway's span."""
         tenant.check_model(req.model.name)
         request_class = tenant.cap_class(req.requested_class)
+        # aclosing: a consumer that stops early closes the inner generator (and its span) here,
+        # in this task, not in a finalizer elsewhere.
+        events = contextlib.aclosing(self._generate(tenant, req, request_class, deadline_unix_ns,
+                                                    announce, span_attributes))
+        if self.metrics is None:
+            async with events as inner:
+                async for out in inner:
+                    yield out
+            return
+        start, first, last, num_output, error_type = time.perf_counter(), None, None, 0, ""
+        try:
+            async with events as inner:
+                async for out in inner:
+                    if isinstance(out, TokensOut) and out.token_ids:
+                        last = time.perf_counter()
+                        first = first or last
+                        num_output += len(out.token_ids)
+                    yield out
+        except MeshError as exc:
+            error_type = exc.code.name
+            raise
+        except asyncio.CancelledError:
+            error_type = "CANCELLED"
+            raise
+        except Exception as exc:
+            error_type = type(exc).__name__
+            raise
+        finally:
+            self.metrics.request(operation=req.operation, model=req.model.name,
+                                 tenant=tenant.tenant_id, request_class=request_class,
+                                 start=start, first=first, last=last, num_output=num_output,
+                                 num_input=len(req.prompt_token_ids), end=time.perf_counter(),
+                                 error_type=error_type)
+
+    async def _generate(self, tenant: Tenant, req: ValidRequest, request_class: str,
+                        deadline_unix_ns: int, announce: bool, span_attributes: dict | None
+                        ) -> AsyncIterator[Admitted | TokensOut | FinalOut]:
         with self.tracer.start_as_current_span("gateway generate") as span:
             entry = self.build_entry(tenant, req, request_class, deadline_unix_ns)
             span.set_attributes({
@@ -141,6 +179,8 @@ class Frontend:
             rpm=plan.requests_per_minute, tpm=plan.tokens_per_minute,
             max_concurrent=plan.max_concurrent, budget=plan.token_budget, period=period,
             period_end_s=period_end_s, tokens=need, lease_s=max(1.0, lease_s))
+        if self.metrics is not None:
+            self.metrics.admission(tenant.tenant_id, entry.request_class, code)
         if code == ALREADY_USED:
             raise AlreadyExists(f"request_id {req.request_id!r} was already used")
         if code == QUEUE_FULL:

@@ -34,6 +34,7 @@ class ValidRequest:
     prompt_token_ids: list[int]
     sampling: dict
     requested_class: str
+    operation: str = "text_completion"   # gen_ai.operation.name: "chat" for messages
 
 
 def _check_text_input(req: gateway_pb2.GenerateRequest) -> None:
@@ -98,4 +99,5 @@ def validate(req: gateway_pb2.GenerateRequest, models: dict[str, ServedModel],
     sampling = _sampling(req.sampling, len(token_ids), model.context_length)
     return ValidRequest(request_id=req.request_id or uuid.uuid4().hex, model=model,
                         prompt_token_ids=token_ids, sampling=sampling,
-                        requested_class=CLASS_NAMES[req.request_class])
+                        requested_class=CLASS_NAMES[req.request_class],
+                        operation="chat" if req.messages else "text_completion")

@@ -72,6 +72,8 @@ def _print_ready(mesh) -> None:
     base = mesh.openai_base_url
     typer.echo(f"\nllmmesh is up.\n  gateway  {gw} (gRPC)\n  openai   {base} (HTTP, OpenAI-compatible)"
                f"\n  costd    {cd}\n  redis    {redacted(mesh.redis_url)}")
+    scrape = [f"{n}={p.metrics_address}" for n, p in mesh.procs.items() if p.metrics_address]
+    typer.echo(f"  metrics  http://<address>/metrics: {', '.join(scrape)}")
     for tenant, key in DEMO_KEYS.items():
         typer.echo(f"  tenant {tenant:<7} API key {key}")
     typer.echo("\nTry:\n"

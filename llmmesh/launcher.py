@@ -65,6 +65,7 @@ class Proc:
     popen: subprocess.Popen
     address: str | None = None
     http_address: str | None = None   # the gateway's OpenAI-compatible HTTP front
+    metrics_address: str | None = None   # Prometheus metrics (http://<this>/metrics)
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -145,8 +146,13 @@ class Mesh:
             else:
                 http = http_listen or f"127.0.0.1:{free_port()}"
                 extra += ["--http-listen", http]
-        proc = Proc(name, self._spawn(name, argv + (extra or []), {"REDIS_URL": self.redis_url or ""}),
-                    address, http)
+        extra = list(extra or [])
+        metrics = None
+        if "--metrics-port" not in extra:
+            metrics = f"127.0.0.1:{free_port()}"
+            extra += ["--metrics-port", metrics.rsplit(":", 1)[1]]
+        proc = Proc(name, self._spawn(name, argv + extra, {"REDIS_URL": self.redis_url or ""}),
+                    address, http, metrics)
         self.procs[name] = proc
         return proc
 

@@ -7,13 +7,15 @@ import os
 import socket
 
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
 
-from llmmesh import server, telemetry
+from llmmesh import metrics, server, telemetry
 from llmmesh.identity import Role
 from llmmesh.mtls import MeshIdentity
 from llmmesh.supervisor import Supervisor, redis_check
 from router.dispatcher import Dispatcher, DispatcherConfig
 from router.fairness import ClassPolicy
+from router.metrics import RouterMetrics
 from router.policy import POLICIES, make_policy
 from router.registry import WorkerRegistry
 from router.shipper import BillingShipper
@@ -36,6 +38,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--breaker-open-s", type=float, default=float(env("LLMMESH_BREAKER_OPEN_S", "5")),
                    help="after 3 failed attempts on a worker, seconds before one probe is sent")
     p.add_argument("--batch-min-share", type=float, default=float(env("LLMMESH_BATCH_MIN_SHARE", "0.2")))
+    metrics.add_arguments(p)
     return p.parse_args()
 
 
@@ -57,9 +60,15 @@ async def main() -> None:
         raise SystemExit("router: no costd to ship bills to: give --costd or --otlp-endpoint")
     shipper = BillingShipper(redis, costd, identity, args.consumer)
     supervisor = Supervisor()
-    for name, loop in (("registry", registry.run), ("dispatch", dispatcher.run),
-                       ("cancels", dispatcher.watch_cancels), ("reclaim", dispatcher.reclaim),
-                       ("billing", shipper.run)):
+    loops = [("registry", registry.run), ("dispatch", dispatcher.run),
+             ("cancels", dispatcher.watch_cancels), ("reclaim", dispatcher.reclaim),
+             ("billing", shipper.run)]
+    if args.metrics_port >= 0:
+        dispatcher.metrics = RouterMetrics(CollectorRegistry(), redis,
+                                           lambda: registry.workers.values())
+        metrics.start(args, dispatcher.metrics.registry)
+        loops.append(("metrics", dispatcher.metrics.sample_queues))
+    for name, loop in loops:
         supervisor.start(name, loop)
     supervisor.add_check("redis", redis_check(redis))
 

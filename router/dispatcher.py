@@ -77,6 +77,7 @@ class Dispatcher:
         self._slot_freed = asyncio.Event()
         self._batch_inflight = 0
         self._side_tasks: set[asyncio.Task] = set()
+        self.metrics = None   # router.metrics.RouterMetrics, or None
 
     async def ensure_groups(self) -> None:
         for cls in queue.CLASSES:
@@ -247,6 +248,8 @@ class Dispatcher:
                       outcome: dict) -> None:
         """Everything after the outcome is written: job result, budget, acknowledgement."""
         e = p.entry
+        if self.metrics is not None:
+            self.metrics.ended(e.request_class, outcome.get("error_code", ""))
         await self.redis.expire(queue.result_stream(e.request_id), queue.RESULT_TTL_S)
         if e.job_id:
             if outcome.get("finish_reason") in ("cancelled", "abort"):
@@ -285,6 +288,8 @@ class Dispatcher:
             worker = await self._pick(e)
             if p.cancelled:   # the client went away while the request waited for a worker
                 raise RequestFailed("CANCELLED", "request cancelled by the client")
+            if self.metrics is not None and p.attempts == 0:
+                self.metrics.dispatched(e.request_class, e.enqueued_unix_ns)
             p.worker_ids.append(worker.worker_id)
             if worker.breaker:
                 worker.breaker.on_dispatch()

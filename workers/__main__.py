@@ -11,9 +11,10 @@ import os
 import socket
 
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
 from redis.exceptions import RedisError
 
-from llmmesh import queue, server, telemetry
+from llmmesh import metrics, queue, server, telemetry
 from llmmesh.identity import Role
 from llmmesh.mtls import MeshIdentity
 from llmmesh.supervisor import Supervisor, redis_check
@@ -23,6 +24,7 @@ from llmmesh.v1 import worker_pb2, worker_pb2_grpc
 from workers.capacity import report_capacity
 from workers.engine.async_engine import AsyncEngine
 from workers.engine.config import QUANTIZATIONS, EngineConfig
+from workers.metrics import WorkerMetrics
 from workers.model.quantize import resolve_quantization
 from workers.servicer import WorkerServicer
 
@@ -59,6 +61,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--batch-nice", type=int, default=int(env("LLMMESH_BATCH_NICE", "10")),
                    help="CPU: nice value for steps holding only batch work (0: off)")
     p.add_argument("--threads", type=int, default=int(env("LLMMESH_THREADS", "0")) or None)
+    metrics.add_arguments(p)
     return p.parse_args()
 
 
@@ -112,6 +115,10 @@ async def main() -> None:
     config = dataclasses.replace(config, quantization=quantization)
     engine = AsyncEngine(config)
     await engine.start()
+    if args.metrics_port >= 0:
+        worker_metrics = WorkerMetrics(CollectorRegistry(), engine, args.worker_id, spec.name)
+        engine.core.on_step = worker_metrics.on_step
+        metrics.start(args, worker_metrics.registry)
     info = engine.cache_info
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB), max context %d", info.num_blocks,
              info.block_size, info.kv_cache_bytes / 2**20, info.max_model_len)

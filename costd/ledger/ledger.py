@@ -43,6 +43,7 @@ class UsageLedger:
         self._queue: asyncio.Queue | None = None
         self._committer: asyncio.Task | None = None
         self.num_commits = 0  # transactions written by the committer, for tests and logs
+        self.metrics = None   # costd.metrics.CostdMetrics, or None
 
     # Synchronous API (any thread).
     def open(self) -> UsageLedger:
@@ -102,8 +103,11 @@ class UsageLedger:
 
     async def _commit(self, group: list[tuple[LedgerBatch, asyncio.Future]]) -> None:
         try:
-            await asyncio.to_thread(self.store.write, [batch for batch, _ in group])
+            batches = [batch for batch, _ in group]
+            result = await asyncio.to_thread(self.store.write, batches)
             self.num_commits += 1
+            if self.metrics is not None:
+                self.metrics.committed(batches, result.num_new_usage)
             outcomes: list[BaseException | None] = [None] * len(group)
         except PipelineError as error:
             if len(group) == 1:
@@ -124,8 +128,10 @@ class UsageLedger:
 
     async def _commit_alone(self, batch: LedgerBatch) -> BaseException | None:
         try:
-            await asyncio.to_thread(self.store.write, [batch])
+            result = await asyncio.to_thread(self.store.write, [batch])
             self.num_commits += 1
+            if self.metrics is not None:
+                self.metrics.committed([batch], result.num_new_usage)
         except PipelineError as error:
             return error
         return None

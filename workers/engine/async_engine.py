@@ -91,6 +91,15 @@ class AsyncEngine:
         self._submit("abort", request_id)
         return True
 
+    @property
+    def scheduler(self):
+        """The core's scheduler, read-only from other threads (its counters, for metrics)."""
+        return self._started_core().scheduler
+
+    @property
+    def core(self) -> EngineCore:
+        return self._started_core()
+
     def load(self) -> EngineLoad:
         if self._load is None:
             raise RuntimeError("engine not started")

@@ -28,6 +28,8 @@ class EngineCore:
             model, _ = load_model(config.gguf_path, device=config.device,
                                   dtype=config.torch_dtype, quantization=config.quantization)
         self.config = config
+        # Called from the step thread after each step: (step seconds, tokens, requests).
+        self.on_step = None
         self.vocab_size = model.config.vocab_size
         self.runner = ModelRunner(model, config)
         self.cache_info: CacheInfo = self.runner.cache_info
@@ -75,8 +77,12 @@ class EngineCore:
         runner_output = self.runner.execute(scheduler_output)
         # The wall time of the whole step is billed, so per-request device-seconds add up to the
         # engine's busy time.
-        return self.scheduler.update_from_output(scheduler_output, runner_output,
-                                                 time.perf_counter() - started)
+        step_s = time.perf_counter() - started
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output, step_s)
+        if self.on_step is not None:
+            self.on_step(step_s, scheduler_output.total_num_scheduled_tokens,
+                         len(scheduler_output.requests))
+        return outputs
 
     def calibrate(self, seed: int = 0) -> None:
         """Warm-up run that also teaches the scheduler's step-time model what a token and a

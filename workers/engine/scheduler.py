@@ -95,6 +95,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
+        self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -190,6 +191,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
     def _admit(self, request: Request, num_cached: int) -> None:
