@@ -8,9 +8,10 @@ and attribute names (`gen_ai_operation_name`, `gen_ai_request_model`, `gen_ai_to
 mesh's own are `llmmesh_*`: vLLM writes `vllm:*`, but Prometheus reserves colons for recording
 rules, so an exporter should not emit them.
 
-Labels stay bounded: `tenant` is a tenant of the tenants file or `other` (an unauthenticated
-caller is never a label value), `class` one of queue.CLASSES, `model` a served model, `worker`
-a worker id from the fleet's leases.
+Labels stay bounded: `tenant` only where the tenant was authenticated against the tenants file
+(the gateway; an unauthenticated caller is never a label value, and the router and costd carry
+no tenant label), `class` one of queue.CLASSES, `model` a served model, `worker` a worker id
+from the fleet's leases, `outcome` / `error_type` a status name or a fixed vocabulary.
 """
 from __future__ import annotations
 
@@ -36,18 +37,12 @@ TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512,
                 1.024, 2.048)
 
-OTHER_TENANT = "other"
 PROVIDER = "llmmesh"
 
 
 def prometheus_name(otel_name: str) -> str:
     """An OTel metric name as Prometheus spells it (the unit suffix is added by the client)."""
     return otel_name.replace(".", "_")
-
-
-def tenant_label(tenant_id: str, known) -> str:
-    """The tenant as a label value: one from the tenants file, else `other`."""
-    return tenant_id if tenant_id in known else OTHER_TENANT
 
 
 def serve(port: int, registry: CollectorRegistry, host: str = "127.0.0.1") -> int:

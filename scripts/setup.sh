@@ -37,3 +37,15 @@ if ! command -v redis-server >/dev/null 2>&1 && [ -z "${REDIS_URL:-}" ]; then
     exit 1
   fi
 fi
+
+# Prometheus and promtool (Debian's package): the metrics e2e test scrapes a real mesh with it.
+# Optional for `make up`; without it that test is skipped with the command to run.
+if ! command -v prometheus >/dev/null 2>&1; then
+  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing prometheus with apt-get"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+       --no-install-recommends prometheus >/dev/null) || echo "[setup] prometheus not installed"
+  else
+    echo "[setup] prometheus is missing (metrics test skipped): sudo apt-get install -y prometheus"
+  fi
+fi

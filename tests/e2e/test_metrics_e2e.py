@@ -1,0 +1,141 @@
+"""Metrics on the real mesh, scraped by a real Prometheus (Debian's package): PromQL through its
+HTTP API agrees with what the clients measured — request and token counts exact, the p95 of TTFT
+within a bucket of the clients' p95 — and every service's own families are there."""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from llmmesh.launcher import Mesh, free_port
+from llmmesh.metrics import TTFT_BUCKETS
+from llmmesh.v1 import gateway_pb2_grpc
+from tests.e2e.meshkit import DEMO_KEYS, auth, chat, wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model,
+              pytest.mark.skipif(shutil.which("prometheus") is None,
+                                 reason="prometheus missing: sudo apt-get install -y prometheus "
+                                        "(scripts/setup.sh does it as root)")]
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    m = Mesh(var_dir=str(tmp_path_factory.mktemp("metrics")), worker_args=["--max-num-seqs", "8"])
+    try:
+        asyncio.run(m.up(num_workers=1, timeout_s=240))
+        yield m
+    finally:
+        m.down()
+
+
+@pytest.fixture(scope="module")
+def prometheus(mesh, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("prometheus")
+    jobs = "\n".join(f"  - job_name: {name}\n    static_configs: [{{targets: ['{p.metrics_address}']}}]"
+                     for name, p in mesh.procs.items() if p.metrics_address)
+    (directory / "prometheus.yml").write_text(
+        f"global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n{jobs}\n")
+    address = f"127.0.0.1:{free_port()}"
+    log = open(directory / "prometheus.log", "wb")
+    proc = subprocess.Popen(["prometheus", f"--config.file={directory / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={directory / 'data'}",
+                             f"--web.listen-address={address}"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://{address}"
+        wait_until(lambda: _ready(url), 30, interval_s=0.2, what="prometheus ready")
+        yield url
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/-/ready", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def query(url: str, promql: str) -> list[dict]:
+    reply = httpx.get(f"{url}/api/v1/query", params={"query": promql}, timeout=5).json()
+    assert reply["status"] == "success", reply
+    return reply["data"]["result"]
+
+
+def scalar(url: str, promql: str) -> float | None:
+    result = query(url, promql)
+    return float(result[0]["value"][1]) if result else None
+
+
+def test_promql_agrees_with_what_the_clients_measured(mesh, prometheus):
+    wait_until(lambda: scalar(prometheus, 'count(up == 1)') == len(
+        [p for p in mesh.procs.values() if p.metrics_address]), 30, what="every target up")
+    ttfts, tokens = [], {"acme": 0, "globex": 0}
+    with grpc.insecure_channel(mesh.procs["gateway"].address) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        for i in range(10):
+            sent, first = time.monotonic(), None
+            for msg in stub.Generate(chat(f"Name a colour, please ({i}).", 8), metadata=auth(DEMO_KEYS["acme"]),
+                                     timeout=120):
+                if msg.HasField("chunk") and msg.chunk.token_ids and first is None:
+                    first = time.monotonic()
+                if msg.HasField("final"):
+                    tokens["acme"] += msg.final.usage.completion_tokens
+            ttfts.append(first - sent)
+    client = openai.OpenAI(base_url=mesh.openai_base_url, api_key=DEMO_KEYS["globex"], max_retries=0)
+    for i in range(4):
+        r = client.chat.completions.create(model=MODEL, max_tokens=6, service_tier="flex",
+                                           messages=[{"role": "user", "content": f"Say {i}."}])
+        tokens["globex"] += r.usage.completion_tokens
+    with pytest.raises(openai.AuthenticationError):   # never a tenant label
+        openai.OpenAI(base_url=mesh.openai_base_url, api_key="not-a-key", max_retries=0
+                      ).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+
+    total = "sum(gen_ai_server_request_duration_seconds_count)"
+    wait_until(lambda: scalar(prometheus, total) == 14, 30, what="14 requests scraped")
+    by_tenant = {(r["metric"]["tenant"], r["metric"]["class"]): float(r["value"][1]) for r in query(
+        prometheus, "sum by (tenant, class) (gen_ai_server_request_duration_seconds_count)")}
+    assert by_tenant == {("acme", "interactive"): 10, ("globex", "batch"): 4}
+    out = {r["metric"]["tenant"]: float(r["value"][1]) for r in query(
+        prometheus, 'sum by (tenant) (gen_ai_client_token_usage_sum{gen_ai_token_type="output"})')}
+    assert out == tokens
+    ops = {r["metric"]["gen_ai_operation_name"] for r in query(
+        prometheus, "gen_ai_server_time_to_first_token_seconds_count")}
+    assert ops == {"chat"}
+
+    # The p95 of TTFT from the histogram lands within one bucket of the clients' own p95.
+    p95 = scalar(prometheus, 'histogram_quantile(0.95, sum by (le) '
+                             '(gen_ai_server_time_to_first_token_seconds_bucket{class="interactive"}))')
+    client_p95 = statistics.quantiles(ttfts, n=20)[-1]
+    assert abs(bisect.bisect_left(TTFT_BUCKETS, p95) - bisect.bisect_left(TTFT_BUCKETS, client_p95)) <= 1, \
+        (p95, client_p95)
+
+    # Router, worker and costd agree on the same 14 − 0 refused: 14 requests ended, 14 bills.
+    wait_until(lambda: scalar(prometheus, 'sum(llmmesh_router_requests_total{outcome="ok"})') == 14,
+               20, what="router outcomes")
+    wait_until(lambda: scalar(prometheus, 'sum(llmmesh_costd_usage_records_total{outcome="billed"})') == 14,
+               20, what="costd's billed records")
+    assert scalar(prometheus, 'sum(llmmesh_costd_usage_records_total{outcome="duplicate"})') == 0
+    assert scalar(prometheus, 'sum(llmmesh_admissions_total{outcome="admitted"})') == 14
+    assert scalar(prometheus, 'sum(llmmesh_dispatch_latency_seconds_count)') == 14
+    assert scalar(prometheus, 'llmmesh_worker_healthy{worker="worker0"}') == 1
+    assert scalar(prometheus, 'llmmesh_worker_circuit_state{worker="worker0",state="closed"}') == 1
+    assert scalar(prometheus, 'sum(llmmesh_prefix_cache_queries_total)') > \
+        scalar(prometheus, 'sum(llmmesh_prefix_cache_hits_total)') > 0
+    assert scalar(prometheus, 'sum(llmmesh_engine_tokens_per_step_sum)') >= sum(tokens.values())
+    assert scalar(prometheus, 'max(llmmesh_queue_depth)') == 0
