@@ -74,6 +74,7 @@ async def main() -> None:
         tenants = TenantBook(args.tenants)
     except (TenantsFileError, OSError) as exc:
         raise SystemExit(f"gateway: {exc}") from None   # one line, not a traceback
+    frontend.metrics.watch_tenants(tenants)
     servicer = GatewayServicer(frontend, tenants, {model.name: model}, model.name,
                                BatchJobs(redis, frontend))
 

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily
 
 from llmmesh.metrics import GenAIServerMetrics
+
+# A budget period's length, for the average rate a budget allows (a month as 30 days).
+_PERIOD_S = {"day": 86400.0, "month": 30 * 86400.0}
 
 # Admission outcomes, a bounded vocabulary (llmmesh.admission's refusal codes by name).
 ADMISSION_OUTCOMES = {0: "admitted", 1: "requests_per_minute", 2: "tokens_per_minute",
@@ -18,6 +22,22 @@ class GatewayMetrics:
         self.admissions = Counter("llmmesh_admissions", "Admission decisions by outcome "
                                   "(admitted, or the limit that refused)",
                                   ("tenant", "class", "outcome"), registry=registry)
+
+    def watch_tenants(self, book) -> None:
+        """Export each tenant's token budget as the average rate it allows, so a burn-rate
+        alert can compare it with gen_ai_client_token_usage (deploy/prometheus/alerts.yml)."""
+        self.book = book
+        self.registry.register(self)
+
+    def collect(self):
+        g = GaugeMetricFamily("llmmesh_tenant_token_budget_rate", "Tokens per second the "
+                              "tenant's budget allows on average over its period (0: none)",
+                              labels=["tenant", "period"])
+        for t in self.book.tenants():
+            period_s = _PERIOD_S.get(t.plan.budget_period)
+            rate = t.plan.token_budget / period_s if t.plan.token_budget and period_s else 0.0
+            g.add_metric([t.tenant_id, t.plan.budget_period], rate)
+        return [g]
 
     def admission(self, tenant: str, request_class: str, code: int) -> None:
         self.admissions.labels(tenant, request_class, ADMISSION_OUTCOMES.get(code, "other")).inc()

@@ -187,6 +187,10 @@ class TenantBook:
             # (or, worse, drop a limit).
             log.error("tenants file not reloaded, keeping the last good one: %s", exc)
 
+    def tenants(self) -> list[Tenant]:
+        """Every tenant of the file as last loaded, once each."""
+        return list({t.tenant_id: t for t in list(self._by_digest.values())}.values())
+
     def authenticate(self, metadata) -> Tenant:
         header = ""
         for key, value in metadata or ():

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import json
 import os
 import shutil
 import signal
 import statistics
 import subprocess
 import time
+from pathlib import Path
 
 import grpc
 import httpx
 import openai
 import pytest
 
+from gateway.tenants import hash_key
 from llmmesh.launcher import Mesh, free_port
 from llmmesh.metrics import TTFT_BUCKETS
 from llmmesh.v1 import gateway_pb2_grpc
@@ -29,9 +32,24 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model,
 MODEL = "smollm2-135m-instruct"
 
 
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "llmmesh.json"
+# The demo tenants, globex with a monthly token budget (the budget-rate gauge and its panel).
+TENANTS = f"""
+[tenants.acme]
+api_key_sha256 = ["{hash_key(DEMO_KEYS['acme'])}"]
+[tenants.globex]
+api_key_sha256 = ["{hash_key(DEMO_KEYS['globex'])}"]
+token_budget = 2592000
+budget_period = "month"
+"""
+
+
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    m = Mesh(var_dir=str(tmp_path_factory.mktemp("metrics")), worker_args=["--max-num-seqs", "8"])
+    var = tmp_path_factory.mktemp("metrics")
+    (var / "tenants.toml").write_text(TENANTS)
+    m = Mesh(var_dir=str(var), worker_args=["--max-num-seqs", "8"],
+             gateway_args=["--tenants", str(var / "tenants.toml")])
     try:
         asyncio.run(m.up(num_workers=1, timeout_s=240))
         yield m
@@ -141,3 +159,21 @@ def test_promql_agrees_with_what_the_clients_measured(mesh, prometheus):
     # Sampled each second and scraped each second: the last entry's deletion shows within ~2 s.
     wait_until(lambda: scalar(prometheus, 'max(llmmesh_queue_depth)') == 0, 10,
                what="empty queues in the router's sample")
+
+    # 2,592,000 tokens a month is 1 token/s on average.
+    assert scalar(prometheus, 'llmmesh_tenant_token_budget_rate{tenant="globex"}') == 1.0
+    assert scalar(prometheus, 'llmmesh_tenant_token_budget_rate{tenant="acme"}') == 0.0
+
+
+def test_every_dashboard_panel_returns_data(mesh, prometheus):
+    """Runs after the traffic above (same module): each panel's PromQL, as Grafana would send it
+    with a 1m rate interval, has data in the real Prometheus."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    empty = []
+    for panel in dashboard["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            expr = target["expr"].replace("$__rate_interval", "1m")
+            if not query(prometheus, expr):
+                empty.append(f"{panel['title']}: {expr}")
+    assert not empty, "panels without data:\n" + "\n".join(empty)
