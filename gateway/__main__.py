@@ -67,7 +67,8 @@ async def main() -> None:
     redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True, socket_timeout=5.0,
                                     socket_connect_timeout=2.0, health_check_interval=10)
     registry = CollectorRegistry()
-    frontend = Frontend(redis, FrontendConfig(block_size=args.block_size), tracer,
+    frontend = Frontend(redis, FrontendConfig(block_size=args.block_size,
+                                              server_address=args.listen), tracer,
                         GatewayMetrics(registry))
     metrics.start(args, registry)
     try:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
+from opentelemetry import trace
 from redis.exceptions import RedisError
 
 from gateway.tenants import Tenant
@@ -31,6 +32,7 @@ _DEFAULT_LEASE_S = 900.0
 class FrontendConfig:
     block_size: int = 16
     max_queue_len: int = 10_000  # per class; beyond it new requests are refused, not dropped
+    server_address: str = ""     # host:port clients call (server.address / server.port on spans)
 
     def __post_init__(self):
         if self.block_size <= 0 or self.max_queue_len <= 0:
@@ -68,6 +70,9 @@ class Frontend:
         self.tracer = tracer
         self.admission = Admission(redis)
         self.metrics = metrics    # gateway.metrics.GatewayMetrics, or None
+        host, _, port = config.server_address.rpartition(":")
+        self._server = ({telemetry.SERVER_ADDRESS: host, telemetry.SERVER_PORT: int(port)}
+                        if port.isdigit() else {})
 
     async def generate(self, tenant: Tenant, req: ValidRequest, deadline_unix_ns: int, *,
                        announce: bool = False, span_attributes: dict | None = None,
@@ -113,13 +118,16 @@ class Frontend:
     async def _generate(self, tenant: Tenant, req: ValidRequest, request_class: str,
                         deadline_unix_ns: int, announce: bool, span_attributes: dict | None
                         ) -> AsyncIterator[Admitted | TokensOut | FinalOut]:
-        with self.tracer.start_as_current_span("gateway generate") as span:
+        with self.tracer.start_as_current_span(telemetry.span_name(req.operation, req.model.name),
+                                               kind=trace.SpanKind.SERVER) as span:
             entry = self.build_entry(tenant, req, request_class, deadline_unix_ns)
             span.set_attributes({
-                telemetry.OPERATION: "text_completion", telemetry.REQUEST_MODEL: req.model.name,
+                telemetry.OPERATION: req.operation, telemetry.PROVIDER: telemetry.PROVIDER_NAME,
+                telemetry.REQUEST_MODEL: req.model.name, **telemetry.request_attributes(req.sampling),
+                telemetry.RESPONSE_ID: entry.request_id,
                 telemetry.TENANT_ID: tenant.tenant_id, telemetry.REQUEST_ID: entry.request_id,
                 telemetry.CLIENT_REQUEST_ID: req.request_id, telemetry.REQUEST_CLASS: request_class,
-                **(span_attributes or {})})
+                **self._server, **(span_attributes or {})})
             try:
                 enqueue = asyncio.ensure_future(
                     self._admit_and_enqueue(tenant, req, entry, deadline_unix_ns))
@@ -138,11 +146,20 @@ class Frontend:
                 async for out in self._relay(req, entry.request_id, request_class, deadline_unix_ns):
                     if isinstance(out, FinalOut):
                         span.set_attributes({
+                            telemetry.RESPONSE_MODEL: req.model.name,
+                            telemetry.FINISH_REASONS: [out.finish_reason],
                             telemetry.INPUT_TOKENS: out.usage.get("prompt_tokens", 0),
                             telemetry.OUTPUT_TOKENS: out.usage.get("completion_tokens", 0)})
                     yield out
             except RedisError as exc:
+                span.set_attribute(telemetry.ERROR_TYPE, "UNAVAILABLE")
                 raise Unavailable(f"queue store unavailable ({type(exc).__name__}); retry") from exc
+            except MeshError as exc:
+                span.set_attribute(telemetry.ERROR_TYPE, exc.code.name)
+                raise
+            except asyncio.CancelledError:
+                span.set_attribute(telemetry.ERROR_TYPE, "CANCELLED")
+                raise
 
     async def _admit_and_enqueue(self, tenant: Tenant, req: ValidRequest, entry: queue.QueueEntry,
                                  deadline_unix_ns: int) -> None:
@@ -199,7 +216,7 @@ class Frontend:
             cache_salt=salt,
             block_hashes=block_hashes(req.prompt_token_ids, self.config.block_size, salt),
             deadline_unix_ns=deadline_unix_ns, enqueued_unix_ns=time.time_ns(),
-            traceparent=telemetry.inject_traceparent())
+            traceparent=telemetry.inject_traceparent(), operation=req.operation)
 
     async def _relay(self, req: ValidRequest, request_id: str, request_class: str,
                      deadline_unix_ns: int) -> AsyncIterator[TokensOut | FinalOut]:

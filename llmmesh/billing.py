@@ -26,12 +26,13 @@ SPAN_NAME = "router bill"
 
 def record_attributes(*, request_id: str, tenant_id: str, model: str, request_class: str,
                       usage: dict[str, Any], finish_reason: str, device_type: str,
-                      worker_ids: list[str]) -> dict[str, Any]:
+                      worker_ids: list[str], operation: str = "text_completion") -> dict[str, Any]:
     """The billing span's attributes (GenAI conventions, then ours), as costd reads them."""
     return {
         telemetry.USAGE_FINAL: True, telemetry.REQUEST_ID: request_id,
         telemetry.TENANT_ID: tenant_id, telemetry.REQUEST_MODEL: model,
-        telemetry.REQUEST_CLASS: request_class, telemetry.OPERATION: "text_completion",
+        telemetry.REQUEST_CLASS: request_class, telemetry.OPERATION: operation,
+        telemetry.PROVIDER: telemetry.PROVIDER_NAME,
         telemetry.INPUT_TOKENS: int(usage["prompt_tokens"]),
         telemetry.OUTPUT_TOKENS: int(usage["completion_tokens"]),
         telemetry.CACHE_READ_TOKENS: int(usage["cached_prompt_tokens"]),

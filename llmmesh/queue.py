@@ -84,6 +84,8 @@ class QueueEntry:
     # Set for requests of a batch job: where the router records the outcome.
     job_id: str = ""
     job_index: int = -1
+    # gen_ai.operation.name: "chat" (messages) or "text_completion" (a raw prompt).
+    operation: str = "text_completion"
 
     def encode(self) -> dict[str, str]:
         # A shallow dict: the values are plain JSON already (dataclasses.asdict deep-copies
@@ -93,10 +95,14 @@ class QueueEntry:
     @classmethod
     def decode(cls, fields: dict) -> "QueueEntry":
         raw = fields.get("d") or fields.get(b"d")
-        return cls(**json.loads(raw))
+        body = json.loads(raw)
+        # A field this version does not know (a newer gateway, mid rolling upgrade) is left
+        # out, not fatal; a missing one takes its default.
+        return cls(**{k: v for k, v in body.items() if k in _ENTRY_FIELD_SET})
 
 
 _ENTRY_FIELDS = tuple(f.name for f in fields(QueueEntry))
+_ENTRY_FIELD_SET = frozenset(_ENTRY_FIELDS)
 
 
 def dead_letter_record(*, entry_id: str, request_class: str, reason: str,

@@ -9,6 +9,8 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as genai
+from opentelemetry.semconv.attributes import error_attributes, server_attributes
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from llmmesh.identity import Role
@@ -16,14 +18,29 @@ from llmmesh.mtls import MeshIdentity, channel_credentials, channel_options
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 
-# Attribute names (OTel GenAI semantic conventions, then ours under llmmesh.*).
-OPERATION = "gen_ai.operation.name"
-PROVIDER = "gen_ai.provider.name"
-REQUEST_MODEL = "gen_ai.request.model"
-INPUT_TOKENS = "gen_ai.usage.input_tokens"
-OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
-CACHE_READ_TOKENS = "gen_ai.usage.cache_read.input_tokens"
-FINISH_REASONS = "gen_ai.response.finish_reasons"
+# Attribute names: the OTel GenAI semantic conventions (from the conventions package), then
+# ours under llmmesh.*.
+OPERATION = genai.GEN_AI_OPERATION_NAME
+PROVIDER = genai.GEN_AI_PROVIDER_NAME
+REQUEST_MODEL = genai.GEN_AI_REQUEST_MODEL
+REQUEST_MAX_TOKENS = genai.GEN_AI_REQUEST_MAX_TOKENS
+REQUEST_TEMPERATURE = genai.GEN_AI_REQUEST_TEMPERATURE
+REQUEST_TOP_P = genai.GEN_AI_REQUEST_TOP_P
+REQUEST_TOP_K = genai.GEN_AI_REQUEST_TOP_K
+REQUEST_SEED = genai.GEN_AI_REQUEST_SEED
+REQUEST_STOP_SEQUENCES = genai.GEN_AI_REQUEST_STOP_SEQUENCES
+RESPONSE_ID = genai.GEN_AI_RESPONSE_ID
+RESPONSE_MODEL = genai.GEN_AI_RESPONSE_MODEL
+INPUT_TOKENS = genai.GEN_AI_USAGE_INPUT_TOKENS
+OUTPUT_TOKENS = genai.GEN_AI_USAGE_OUTPUT_TOKENS
+CACHE_READ_TOKENS = genai.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS
+FINISH_REASONS = genai.GEN_AI_RESPONSE_FINISH_REASONS
+SERVER_ADDRESS = server_attributes.SERVER_ADDRESS
+SERVER_PORT = server_attributes.SERVER_PORT
+ERROR_TYPE = error_attributes.ERROR_TYPE
+PROVIDER_NAME = "llmmesh"   # gen_ai.provider.name: the mesh serves its own models
+CHAT = genai.GenAiOperationNameValues.CHAT.value
+TEXT_COMPLETION = genai.GenAiOperationNameValues.TEXT_COMPLETION.value
 TENANT_ID = "llmmesh.tenant.id"
 REQUEST_ID = "llmmesh.request.id"  # the mesh's own id: tenant/client id/nonce
 CLIENT_REQUEST_ID = "llmmesh.request.client_id"  # the id the client sent (or was given)
@@ -74,3 +91,22 @@ def inject_traceparent() -> dict[str, str]:
 
 def extract_context(carrier: Mapping[str, str]) -> otel_context.Context:
     return _PROPAGATOR.extract(dict(carrier))
+
+
+def span_name(operation: str, model: str) -> str:
+    """A GenAI span's name by the conventions: `{gen_ai.operation.name} {gen_ai.request.model}`."""
+    return f"{operation} {model}"
+
+
+def request_attributes(sampling: dict) -> dict:
+    """The request's parameters as gen_ai.request.* attributes (unset ones left out)."""
+    out = {REQUEST_MAX_TOKENS: int(sampling["max_tokens"]),
+           REQUEST_TEMPERATURE: float(sampling.get("temperature") or 0.0),
+           REQUEST_TOP_P: float(sampling.get("top_p") or 1.0)}
+    if sampling.get("top_k"):
+        out[REQUEST_TOP_K] = float(sampling["top_k"])
+    if sampling.get("seed") is not None:
+        out[REQUEST_SEED] = int(sampling["seed"])
+    if sampling.get("stop"):
+        out[REQUEST_STOP_SEQUENCES] = list(sampling["stop"])
+    return out

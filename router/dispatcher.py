@@ -229,6 +229,7 @@ class Dispatcher:
                 outcome = {"finish_reason": reason, "usage": p.usage()}
             except RequestFailed as exc:
                 span.set_status(trace.StatusCode.ERROR, exc.message)
+                span.set_attribute(telemetry.ERROR_TYPE, exc.code)
                 await self.redis.xadd(queue.result_stream(e.request_id),
                                       queue.error_event(exc.code, exc.message))
                 # Workers append to the stream themselves: after the error event nothing more

@@ -118,7 +118,7 @@ def worker_request(p: RequestProgress) -> worker_pb2.WorkerGenerateRequest:
         request_class=_CLASS[e.request_class], cache_salt=e.cache_salt,
         deadline_unix_ns=e.deadline_unix_ns, start_index=len(p.delivered),
         num_original_prompt_tokens=len(e.prompt_token_ids),
-        result_stream=queue.result_stream(e.request_id))
+        result_stream=queue.result_stream(e.request_id), operation=e.operation)
 
 
 def queue_wait_s(entry: queue.QueueEntry, sent_unix_ns: int) -> float:
@@ -196,7 +196,7 @@ def _attributes(p: RequestProgress, finish_reason: str, device_type: str) -> dic
     return billing.record_attributes(
         request_id=e.request_id, tenant_id=e.tenant_id, model=e.model,
         request_class=e.request_class, usage=p.usage(), finish_reason=finish_reason,
-        device_type=device_type, worker_ids=p.worker_ids)
+        device_type=device_type, worker_ids=p.worker_ids, operation=e.operation)
 
 
 def billing_fields(p: RequestProgress, finish_reason: str, device_type: str,

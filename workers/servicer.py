@@ -84,9 +84,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         sampling = _sampling(request.sampling, self.tokenizer.stop_token_ids)
         self.num_requests_total += 1
         parent = telemetry.extract_context(dict(context.invocation_metadata() or ()))
-        with self.tracer.start_as_current_span("gen_ai.generate", context=parent,
-                                               kind=trace.SpanKind.SERVER) as span:
-            span.set_attributes({telemetry.OPERATION: "text_completion",
+        operation = request.operation or telemetry.TEXT_COMPLETION
+        with self.tracer.start_as_current_span(telemetry.span_name(operation, request.model),
+                                               context=parent, kind=trace.SpanKind.SERVER) as span:
+            span.set_attributes({telemetry.OPERATION: operation,
+                                 telemetry.PROVIDER: telemetry.PROVIDER_NAME,
                                  telemetry.REQUEST_MODEL: request.model,
                                  telemetry.TENANT_ID: request.tenant_id,
                                  telemetry.REQUEST_ID: request.request_id,

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "tenant_id", "model", "prompt_token_ids", "sampling", "request_class", "cache_salt", "deadline_unix_ns", "start_index", "num_original_prompt_tokens", "result_stream")
+    __slots__ = ("request_id", "tenant_id", "model", "prompt_token_ids", "sampling", "request_class", "cache_salt", "deadline_unix_ns", "start_index", "num_original_prompt_tokens", "result_stream", "operation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class WorkerGenerateRequest(_message.Message):
     START_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_ORIGINAL_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESULT_STREAM_FIELD_NUMBER: _ClassVar[int]
+    OPERATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant_id: str
     model: str
@@ -31,7 +32,8 @@ class WorkerGenerateRequest(_message.Message):
     start_index: int
     num_original_prompt_tokens: int
     result_stream: str
-    def __init__(self, request_id: _Optional[str] = ..., tenant_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_class: _Optional[_Union[_common_pb2.RequestClass, str]] = ..., cache_salt: _Optional[str] = ..., deadline_unix_ns: _Optional[int] = ..., start_index: _Optional[int] = ..., num_original_prompt_tokens: _Optional[int] = ..., result_stream: _Optional[str] = ...) -> None: ...
+    operation: str
+    def __init__(self, request_id: _Optional[str] = ..., tenant_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_class: _Optional[_Union[_common_pb2.RequestClass, str]] = ..., cache_salt: _Optional[str] = ..., deadline_unix_ns: _Optional[int] = ..., start_index: _Optional[int] = ..., num_original_prompt_tokens: _Optional[int] = ..., result_stream: _Optional[str] = ..., operation: _Optional[str] = ...) -> None: ...
 
 class WorkerTokens(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs")

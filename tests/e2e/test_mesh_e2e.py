@@ -134,29 +134,44 @@ def test_bad_input_gets_a_precise_status_and_the_gateway_keeps_serving(gateway):
 
 
 def test_one_trace_per_request_across_gateway_router_worker(mesh, gateway, span_capture):
+    from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as genai
+    from opentelemetry.semconv.attributes import server_attributes
     final = _stream(gateway, _chat("Say one word.", max_tokens=3), "acme")[2]
     rid = final.request_id
-
-    names = {"gateway generate", "router dispatch", "gen_ai.generate"}
+    model = "smollm2-135m-instruct"
+    # GenAI conventions: `{gen_ai.operation.name} {gen_ai.request.model}`; chat, as it was one.
+    chat_name = f"{genai.GenAiOperationNameValues.CHAT.value} {model}"
+    wanted = {"llmmesh-gateway": chat_name, "llmmesh-router": "router dispatch",
+              "llmmesh-worker": chat_name}
 
     def three_spans():
-        spans = span_capture.for_request(rid)
-        return spans if {s["name"] for s in spans} >= names else None
+        spans = {s["service"]: s for s in span_capture.for_request(rid)}
+        return spans if set(spans) >= set(wanted) else None
     deadline = time.monotonic() + 15
-    while not (spans := three_spans()):
+    while not (by_service := three_spans()):
         assert time.monotonic() < deadline, span_capture.for_request(rid)
         time.sleep(0.1)
-    by_name = {s["name"]: s for s in spans}
+    spans = [by_service[s] for s in wanted]
+    assert {s: by_service[s]["name"] for s in wanted} == wanted
     assert len({s["trace_id"] for s in spans}) == 1  # one trace, carried through Redis and gRPC
-    gw, rt, wk = by_name["gateway generate"], by_name["router dispatch"], by_name["gen_ai.generate"]
+    gw, rt, wk = spans
     assert rt["parent_span_id"] == gw["span_id"] and wk["parent_span_id"] == rt["span_id"]
     for span in (gw, rt, wk):
         a = span["attributes"]
-        assert a["gen_ai.operation.name"] == "text_completion"
-        assert a["gen_ai.request.model"] == "smollm2-135m-instruct"
+        assert a[genai.GEN_AI_OPERATION_NAME] == genai.GenAiOperationNameValues.CHAT.value
+        assert a[genai.GEN_AI_PROVIDER_NAME] == "llmmesh"
+        assert a[genai.GEN_AI_REQUEST_MODEL] == model
         assert a["llmmesh.tenant.id"] == "acme"
-        assert a["gen_ai.usage.input_tokens"] == final.usage.prompt_tokens
-        assert a["gen_ai.usage.output_tokens"] == final.usage.completion_tokens
+        assert a[genai.GEN_AI_USAGE_INPUT_TOKENS] == final.usage.prompt_tokens
+        assert a[genai.GEN_AI_USAGE_OUTPUT_TOKENS] == final.usage.completion_tokens
+    g = gw["attributes"]
+    assert g[genai.GEN_AI_REQUEST_MAX_TOKENS] == 3 and g[genai.GEN_AI_REQUEST_TEMPERATURE] == 0.0
+    assert g[genai.GEN_AI_RESPONSE_ID] == rt["attributes"]["llmmesh.request.id"]
+    assert g[genai.GEN_AI_RESPONSE_MODEL] == model
+    assert g[genai.GEN_AI_RESPONSE_FINISH_REASONS] == ["length"]
+    assert g[server_attributes.SERVER_ADDRESS] == "127.0.0.1"
+    assert g[server_attributes.SERVER_PORT] == int(mesh.procs["gateway"].address.rsplit(":", 1)[1])
+    assert "error.type" not in g
     # None of them is the bill: that is the router's record in Redis's billing stream, shipped
     # to costd alone (llmmesh.billing), and in the ledger once under the mesh's request id.
     assert all("llmmesh.usage.final" not in s["attributes"] for s in (gw, rt, wk))
@@ -172,6 +187,20 @@ def test_one_trace_per_request_across_gateway_router_worker(mesh, gateway, span_
             conn.close()
     rows = wait_until(ledger, 15, what="the bill in the ledger")
     assert rows == [("acme", final.usage.prompt_tokens, final.usage.completion_tokens)]
+
+
+def test_a_failed_request_names_its_error_type_on_the_spans(gateway, span_capture):
+    req = _chat("Write a very long story about the sea.", max_tokens=400)
+    req.request_id = f"deadline-{time.monotonic_ns()}"
+    with pytest.raises(grpc.RpcError) as info:
+        list(gateway.Generate(req, metadata=_auth("acme"), timeout=0.3))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def gateway_span():
+        spans = [s for s in span_capture.for_request(req.request_id) if s["service"] == "llmmesh-gateway"]
+        return spans[0] if spans else None
+    span = wait_until(gateway_span, 15, what="the failed request's gateway span")
+    assert span["attributes"]["error.type"] in ("DEADLINE_EXCEEDED", "CANCELLED")
 
 
 def test_seed_logprobs_and_stop_strings_through_the_mesh(gateway):
