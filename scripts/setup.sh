@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 STAMP=.venv/.llmmesh-installed
-REQS="requirements.txt requirements-test.txt pyproject.toml"
+REQS="requirements.txt requirements-runtime.txt requirements-test.txt pyproject.toml"
 
 if [ ! -x .venv/bin/python ]; then
   echo "[setup] creating .venv with $($PY --version)"
