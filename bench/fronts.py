@@ -157,12 +157,16 @@ async def measure(rounds: int = 200, tokens: int = 32, pace_s: float = 0.005, se
         mesh.start_service("costd", "costd")
         await mesh.wait_ready(["costd"])
         mesh.start_service("gateway", "gateway")
-        await mesh.wait_ready(["gateway"])
+        # The same gateway with its metrics off: what recording them costs a request.
+        mesh.start_service("gateway-nometrics", "gateway", ["--metrics-port", "-1"])
+        await mesh.wait_ready(["gateway", "gateway-nometrics"])
         redis = aioredis.Redis.from_url(mesh.redis_url, decode_responses=True)
         engine = FakeEngine(redis, token_id, tokens, pace_s)
         engine_task = asyncio.ensure_future(engine.run())
         channel = grpc.aio.insecure_channel(mesh.procs["gateway"].address)
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        bare_channel = grpc.aio.insecure_channel(mesh.procs["gateway-nometrics"].address)
+        bare = gateway_pb2_grpc.GatewayServiceStub(bare_channel)
         client = httpx.AsyncClient(base_url=mesh.openai_base_url, timeout=httpx.Timeout(30.0))
         raw = RawHttp(mesh.procs["gateway"].http_address)
         rng, rows, nonce = random.Random(seed), [], uuid.uuid4().hex[:8]
@@ -170,7 +174,8 @@ async def measure(rounds: int = 200, tokens: int = 32, pace_s: float = 0.005, se
             for i in range(-10, rounds):          # the first 10 rounds warm every door
                 order = [("grpc", lambda r: _grpc(stub, r, tokens)),
                          ("http", lambda r: raw.call(r, tokens)),
-                         ("httpx", lambda r: _http(client, r, tokens))]
+                         ("httpx", lambda r: _http(client, r, tokens)),
+                         ("grpc_nometrics", lambda r: _grpc(bare, r, tokens))]
                 rng.shuffle(order)
                 row = {}
                 for name, call in order:
@@ -185,20 +190,23 @@ async def measure(rounds: int = 200, tokens: int = 32, pace_s: float = 0.005, se
             await raw.close()
             await client.aclose()
             await channel.close()
+            await bare_channel.close()
             await redis.aclose()
     finally:
         await asyncio.to_thread(mesh.down)
     return {"rows": rows, "summary": summarise(rows), "httpx_summary": summarise(rows, "httpx"),
+            "metrics_summary": summarise(rows, "grpc", "grpc_nometrics"),
             "tokens": tokens, "pace_s": pace_s}
 
 
-def summarise(rows: list[dict], http: str = "http") -> dict:
+def summarise(rows: list[dict], http: str = "http", base: str = "grpc") -> dict:
     out = {}
     for metric in ("ttft_s", "delivery_s"):
-        diffs = [r[http][metric] - r["grpc"][metric] for r in rows]
+        diffs = [r[http][metric] - r[base][metric] for r in rows if http in r and base in r]
         q = statistics.quantiles(diffs, n=4)
-        out[metric] = {"http_p50": statistics.median(r[http][metric] for r in rows),
-                       "grpc_p50": statistics.median(r["grpc"][metric] for r in rows),
+        # "http" / "grpc": the door measured and the door it is compared with.
+        out[metric] = {"http_p50": statistics.median(r[http][metric] for r in rows if http in r),
+                       "grpc_p50": statistics.median(r[base][metric] for r in rows if base in r),
                        "added_p50": statistics.median(diffs), "added_q1": q[0], "added_q3": q[2],
                        "n": len(diffs)}
     return out
@@ -225,6 +233,20 @@ def report_lines(result: dict) -> list[str]:
             verdict = f"≤ {limit:g} {'✅' if added <= limit else '❌'}" if key == "summary" else "(context)"
             lines.append(f"| {name} | {client} | {m['http_p50'] * 1e3:.3f} | {m['grpc_p50'] * 1e3:.3f} | "
                          f"{added:+.3f} | {m['added_q1'] * 1e3:+.3f} – {m['added_q3'] * 1e3:+.3f} | "
+                         f"{verdict} |")
+    m = result.get("metrics_summary")
+    if m:
+        lines += ["", "What recording metrics costs (issue 15: ≤ 0.5 ms added p50 TTFT): the same "
+                  "rounds also go to a second gateway started with `--metrics-port -1`; gRPC both.",
+                  "", "| metric | metrics on p50 (ms) | metrics off p50 (ms) | added, median of "
+                  "rounds (ms) | q1 – q3 (ms) | target |", "|---|---|---|---|---|---|"]
+        for metric, name, limit in (("ttft_s", "TTFT", 0.5),
+                                    ("delivery_s", "per token: written → at the client", None)):
+            x = m[metric]
+            added = x["added_p50"] * 1e3
+            verdict = "(context)" if limit is None else f"≤ {limit:g} {'✅' if added <= limit else '❌'}"
+            lines.append(f"| {name} | {x['http_p50'] * 1e3:.3f} | {x['grpc_p50'] * 1e3:.3f} | "
+                         f"{added:+.3f} | {x['added_q1'] * 1e3:+.3f} – {x['added_q3'] * 1e3:+.3f} | "
                          f"{verdict} |")
     return lines
 

@@ -93,7 +93,7 @@ def test_fronts_bench_measures_both_doors_token_for_token(tmp_path):
     result = asyncio.run(fronts.measure(rounds=8, tokens=6, pace_s=0.002, var_dir=str(tmp_path)))
     assert len(result["rows"]) == 8
     for row in result["rows"]:
-        for door in ("grpc", "http", "httpx"):
+        for door in ("grpc", "http", "httpx", "grpc_nometrics"):
             assert 0 < row[door]["ttft_s"] < 5 and 0 < row[door]["delivery_s"] < 1
     text = "\n".join(fronts.report_lines(result))
-    assert text.count("✅") + text.count("❌") == 2 and text.count("(context)") == 2
+    assert text.count("✅") + text.count("❌") == 3 and text.count("(context)") == 3

@@ -318,3 +318,15 @@ def test_overhead_report_judges_paired_differences_and_shows_the_hops_apart():
     for r in rows:
         del r["mesh"]["ttft_outside_engine_s"]
     assert "ttft_outside_engine_s" not in overhead.summarise(rows)
+
+
+def test_fronts_summary_compares_the_doors_it_is_told():
+    from bench import fronts
+    rows = [{"grpc": {"ttft_s": 0.003 + i * 1e-4, "delivery_s": 0.001},
+             "http": {"ttft_s": 0.002 + i * 1e-4, "delivery_s": 0.0009},
+             "httpx": {"ttft_s": 0.004 + i * 1e-4, "delivery_s": 0.0011},
+             "grpc_nometrics": {"ttft_s": 0.0029 + i * 1e-4, "delivery_s": 0.001}} for i in range(9)]
+    assert fronts.summarise(rows)["ttft_s"]["added_p50"] == pytest.approx(-0.001)
+    m = fronts.summarise(rows, "grpc", "grpc_nometrics")["ttft_s"]
+    assert m["added_p50"] == pytest.approx(0.0001)
+    assert m["http_p50"] == pytest.approx(0.0034) and m["grpc_p50"] == pytest.approx(0.0033)
