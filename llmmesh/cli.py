@@ -47,6 +47,7 @@ def up(workers: int = typer.Option(1, help="worker processes"),
                    f"{mesh.log_dir}) ...")
         await mesh.up(num_workers=workers, gateway_listen=gateway, costd_listen=costd,
                       http_listen=http)
+        mesh.write_metrics_targets()
         _print_ready(mesh)
         while not stop.is_set():
             dead = [p.name for p in mesh.procs.values() if not p.alive()]
@@ -73,7 +74,8 @@ def _print_ready(mesh) -> None:
     typer.echo(f"\nllmmesh is up.\n  gateway  {gw} (gRPC)\n  openai   {base} (HTTP, OpenAI-compatible)"
                f"\n  costd    {cd}\n  redis    {redacted(mesh.redis_url)}")
     scrape = [f"{n}={p.metrics_address}" for n, p in mesh.procs.items() if p.metrics_address]
-    typer.echo(f"  metrics  http://<address>/metrics: {', '.join(scrape)}")
+    typer.echo(f"  metrics  http://<address>/metrics: {', '.join(scrape)} "
+               f"(live view: .venv/bin/llmmesh top --var-dir {mesh.var_dir})")
     for tenant, key in DEMO_KEYS.items():
         typer.echo(f"  tenant {tenant:<7} API key {key}")
     typer.echo("\nTry:\n"
@@ -167,7 +169,7 @@ def hash_key(api_key: str) -> None:
 def _register_extensions() -> None:
     """Commands that live in their own modules (billing, benchmarks) add themselves here."""
     import importlib
-    for module in ("llmmesh.cli_batch", "llmmesh.cli_cost", "llmmesh.cli_bench"):
+    for module in ("llmmesh.cli_batch", "llmmesh.cli_cost", "llmmesh.cli_bench", "llmmesh.cli_top"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:

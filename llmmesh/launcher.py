@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -95,6 +96,13 @@ class Mesh:
         certs.ensure(self.tls_dir)
         self.env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                     "PYTHONUNBUFFERED": "1", TLS_DIR_ENV: self.tls_dir}
+
+    def write_metrics_targets(self) -> str:
+        """<var_dir>/metrics-targets.json: service name -> metrics address (`llmmesh top`)."""
+        path = os.path.join(self.var_dir, "metrics-targets.json")
+        with open(path, "w") as f:
+            json.dump({n: p.metrics_address for n, p in self.procs.items() if p.metrics_address}, f)
+        return path
 
     @property
     def openai_base_url(self) -> str:

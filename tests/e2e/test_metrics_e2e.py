@@ -177,3 +177,23 @@ def test_every_dashboard_panel_returns_data(mesh, prometheus):
             if not query(prometheus, expr):
                 empty.append(f"{panel['title']}: {expr}")
     assert not empty, "panels without data:\n" + "\n".join(empty)
+
+
+def test_llmmesh_top_shows_workers_queues_tenants_and_billing(mesh):
+    """One frame of `llmmesh top --once`, after the traffic above, from the services' metrics."""
+    import subprocess as sp
+    import sys
+    mesh.write_metrics_targets()
+    out = sp.run([sys.executable, "-m", "llmmesh.cli", "top", "--once", "--var-dir", mesh.var_dir],
+                 capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    worker = next(line for line in lines if "worker0" in line)
+    assert "yes" in worker and "closed" in worker
+    acme = next(line for line in lines if "acme" in line and "interactive" in line)
+    assert " 10 " in acme          # the ten requests of the first test
+    globex = next(line for line in lines if "globex" in line and "batch" in line)
+    assert " 4 " in globex
+    assert any("interactive" in line and "dispatched" not in line for line in lines)
+    billing = lines[next(i for i, line in enumerate(lines) if "billed records" in line) + 2]
+    assert billing.split()[1] == "14"
