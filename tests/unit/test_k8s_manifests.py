@@ -136,3 +136,29 @@ def test_overlays_build_and_validate(overlay, gpu):
     # The default-deny policy selects every pod by the kustomize label.
     for d in _by(docs, "Deployment").values():
         assert d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/part-of"] == "llmmesh"
+
+
+def test_compose_prometheus_scrapes_every_service_where_it_serves_metrics():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    targets = {t for job in config["scrape_configs"] for sc in job["static_configs"]
+               for t in sc["targets"]}
+    mesh = {name for name, svc in services.items()
+            if svc.get("command", [])[:2] == ["python", "-m"]
+            and svc["command"][2] in ("gateway", "router", "workers", "costd")}
+    port = services["gateway"]["environment"]["LLMMESH_METRICS_PORT"]
+    assert targets == {f"{name}:{port}" for name in mesh}
+    assert services["gateway"]["environment"]["LLMMESH_METRICS_HOST"] == "0.0.0.0"
+    # Kubernetes scrapes the same port.
+    gw = _container(_by(_base_docs(), "Deployment")["llmmesh-gateway"])
+    assert gw["args"][gw["args"].index("--metrics-port") + 1] == port
+    mounts = services["grafana"]["volumes"]
+    assert any(m.startswith("./deploy/grafana/llmmesh.json:") for m in mounts)
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing")
+def test_compose_prometheus_config_is_valid():
+    out = subprocess.run(["promtool", "check", "config", "prometheus.yml"], capture_output=True,
+                         text=True, timeout=60, cwd=ROOT / "deploy" / "prometheus")
+    assert out.returncode == 0, out.stdout + out.stderr
