@@ -2,14 +2,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import signal
+from datetime import datetime, timezone
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry import trace
 from grpc_reflection.v1alpha import reflection
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -225,8 +229,40 @@ async def wait_serving(address: str, timeout_s: float, service: str = "", *,
             await asyncio.sleep(0.1)
 
 
-def configure_logging(service: str, level: str = "INFO") -> None:
-    logging.basicConfig(level=level, format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s")
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per line; inside a span, its trace_id and span_id (OTel's log
+    correlation: a log line finds its request's trace, and the trace its log lines)."""
+
+    def __init__(self, service: str):
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+               "level": record.levelname, "service": self.service, "logger": record.name,
+               "message": record.getMessage()}
+        ctx = trace.get_current_span().get_span_context()
+        if ctx.is_valid:
+            out["trace_id"], out["span_id"] = f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}"
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
+
+
+def configure_logging(service: str, level: str | None = None, stream=None) -> None:
+    """Logs of one service: JSON lines by default (LLMMESH_LOG_FORMAT=text for plain lines);
+    the level from LLMMESH_<SERVICE>_LOG_LEVEL, else LLMMESH_LOG_LEVEL, else INFO."""
+    env = os.environ
+    level = (level or env.get(f"LLMMESH_{service.upper()}_LOG_LEVEL") or env.get("LLMMESH_LOG_LEVEL")
+             or "INFO").upper()
+    handler = logging.StreamHandler(stream)
+    if env.get("LLMMESH_LOG_FORMAT", "json") == "text":
+        handler.setFormatter(logging.Formatter(f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s"))
+    else:
+        handler.setFormatter(JsonLogFormatter(service))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
 
 
 def service_names(*descriptors: Iterable) -> list[str]:
