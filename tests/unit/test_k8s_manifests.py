@@ -162,3 +162,16 @@ def test_compose_prometheus_config_is_valid():
     out = subprocess.run(["promtool", "check", "config", "prometheus.yml"], capture_output=True,
                          text=True, timeout=60, cwd=ROOT / "deploy" / "prometheus")
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_compose_fans_traces_out_through_a_collector_but_bills_go_straight_to_costd():
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    endpoints = compose["router"]["environment"]["LLMMESH_OTLP_ENDPOINT"].split(",")
+    # The router ships bills to the first endpoint (router/__main__.py): costd itself.
+    assert endpoints[0] == "costd:50055" and "otel-collector:4317" in endpoints
+    collector = yaml.safe_load((ROOT / "deploy" / "otel" / "collector.yaml").read_text())
+    tls = collector["receivers"]["otlp"]["protocols"]["grpc"]["tls"]
+    # Mutual TLS: services present their certificates and expect a costd-role one.
+    assert tls["client_ca_file"] == "/tls/ca.pem" and tls["cert_file"] == "/tls/costd.pem"
+    assert collector["service"]["pipelines"]["traces"]["exporters"] == ["otlp/jaeger"]
+    assert "jaeger" in compose and "tls:/tls:ro" in compose["otel-collector"]["volumes"]
