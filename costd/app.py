@@ -64,7 +64,7 @@ async def serve(config: CostdConfig) -> None:
     pipeline = CostPipeline(UsageLedger(config.ledger))
     if config.metrics_port >= 0:
         registry = CollectorRegistry()
-        pipeline.ledger.metrics = pipeline.receiver.metrics = CostdMetrics(registry)
+        pipeline.ledger.metrics = pipeline.receiver.metrics = CostdMetrics(registry, book)
         metrics.serve(config.metrics_port, registry, config.metrics_host)
     await pipeline.start()
     try:

@@ -7,7 +7,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 
 class CostdMetrics:
-    def __init__(self, registry: CollectorRegistry):
+    def __init__(self, registry: CollectorRegistry, book=None):
+        self.book = book     # costd.pricebook.PriceBook: prices the attributed device time
         self.spans = Counter("llmmesh_costd_spans_received", "Spans received over OTLP, by the "
                              "sender's mesh role", ("sender",), registry=registry)
         self.rejected = Counter("llmmesh_costd_spans_rejected", "Usage spans refused: from a "
@@ -19,12 +20,29 @@ class CostdMetrics:
                          "in the last commit to that commit", unit="seconds", registry=registry)
         self.commits = Counter("llmmesh_costd_ledger_commits", "Ledger transactions committed",
                                registry=registry)
+        self.cost = Counter("llmmesh_costd_attributed_cost", "Money billed per tenant for the "
+                            "device time attributed to its requests, at the price book's price "
+                            "when each ended (the invoice adds the tenant's share of idle "
+                            "capacity on top)", ("tenant", "currency"), registry=registry)
 
-    def committed(self, batches, num_new: int) -> None:
+    def committed(self, batches, result) -> None:
         records = [r for b in batches for r in b.usage]
         self.commits.inc()
-        if records:
-            self.records.labels("billed").inc(num_new)
-            self.records.labels("duplicate").inc(len(records) - num_new)
-            newest = max(r.end_unix_ns for r in records)
-            self.lag.set(max(0.0, time.time() - newest / 1e9))
+        if not records:
+            return
+        self.records.labels("billed").inc(result.num_new_usage)
+        self.records.labels("duplicate").inc(len(records) - result.num_new_usage)
+        newest = max(r.end_unix_ns for r in records)
+        self.lag.set(max(0.0, time.time() - newest / 1e9))
+        if self.book is None:
+            return
+        seen = set(result.known_request_ids)
+        for r in records:
+            if r.request_id in seen:
+                continue          # a repeat: billed when it first came
+            seen.add(r.request_id)
+            device = self.book.device_for(r.device_type)
+            price = self.book.price(device, r.end_unix_ns) if device else None
+            if price is not None:
+                hours = (r.prefill_device_s + r.decode_device_s) / 3600
+                self.cost.labels(r.tenant_id, self.book.currency).inc(float(price.per_hour) * hours)

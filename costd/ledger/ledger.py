@@ -107,7 +107,7 @@ class UsageLedger:
             result = await asyncio.to_thread(self.store.write, batches)
             self.num_commits += 1
             if self.metrics is not None:
-                self.metrics.committed(batches, result.num_new_usage)
+                self.metrics.committed(batches, result)
             outcomes: list[BaseException | None] = [None] * len(group)
         except PipelineError as error:
             if len(group) == 1:
@@ -131,7 +131,7 @@ class UsageLedger:
             result = await asyncio.to_thread(self.store.write, [batch])
             self.num_commits += 1
             if self.metrics is not None:
-                self.metrics.committed([batch], result.num_new_usage)
+                self.metrics.committed([batch], result)
         except PipelineError as error:
             return error
         return None

@@ -126,6 +126,9 @@ class CapacityAggregate:
 class WriteResult:
     num_new_usage: int
     num_new_capacity: int
+    # Request ids of the batch that were in the ledger before this write (repeats, not billed
+    # again). Read just before the write: exact with one committer per ledger, which costd is.
+    known_request_ids: frozenset[str] = frozenset()
 
 
 def usage_row(record: UsageRecord, recorded_unix_ns: int) -> tuple:
@@ -175,10 +178,17 @@ class SqlStore(ABC):
         now_ns = time.time_ns()
         usage = [usage_row(r, now_ns) for batch in batches for r in batch.usage]
         capacity = [capacity_row(r, now_ns) for batch in batches for r in batch.capacity]
+        ids = [row[0] for row in usage]
+        known: set[str] = set()
+        for i in range(0, len(ids), 500):
+            chunk = ids[i:i + 500]
+            known.update(r[0] for r in self._read(
+                f"SELECT request_id FROM usage_records WHERE request_id IN ({', '.join('?' * len(chunk))})",
+                chunk))
         with self._writing() as executemany:
             new_usage = executemany(_INSERT_USAGE, usage) if usage else 0
             new_capacity = executemany(_INSERT_CAPACITY, capacity) if capacity else 0
-        return WriteResult(new_usage, new_capacity)
+        return WriteResult(new_usage, new_capacity, frozenset(known))
 
     def tenant_usage(self, tenant_id: str, start_ns: int, end_ns: int) -> TenantUsage:
         row = self._read(_TENANT_USAGE, (tenant_id, start_ns, end_ns))[0]

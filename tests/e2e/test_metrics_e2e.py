@@ -160,6 +160,22 @@ def test_promql_agrees_with_what_the_clients_measured(mesh, prometheus):
     wait_until(lambda: scalar(prometheus, 'max(llmmesh_queue_depth)') == 0, 10,
                what="empty queues in the router's sample")
 
+    # Money per tenant: the attributed device time at the price book's price, billed once.
+    cost = {r["metric"]["tenant"]: float(r["value"][1]) for r in query(
+        prometheus, "sum by (tenant) (llmmesh_costd_attributed_cost_total)")}
+    assert set(cost) == {"acme", "globex"} and all(v > 0 for v in cost.values())
+    from costd.pricebook import PriceBook
+    import sqlite3
+    book = PriceBook.load(str(Path(__file__).resolve().parents[2] / "config" / "prices.toml"))
+    conn = sqlite3.connect(f"{mesh.var_dir}/ledger.sqlite")
+    rows = conn.execute("SELECT tenant_id, device_type, end_unix_ns, prefill_device_s + decode_device_s "
+                        "FROM usage_records").fetchall()
+    conn.close()
+    expected = {}
+    for tenant, device_type, end_ns, seconds in rows:
+        price = book.price(book.device_for(device_type), end_ns).per_hour
+        expected[tenant] = expected.get(tenant, 0.0) + float(price) * seconds / 3600
+    assert cost == pytest.approx(expected, rel=1e-6)
     # 2,592,000 tokens a month is 1 token/s on average.
     assert scalar(prometheus, 'llmmesh_tenant_token_budget_rate{tenant="globex"}') == 1.0
     assert scalar(prometheus, 'llmmesh_tenant_token_budget_rate{tenant="acme"}') == 0.0
