@@ -142,6 +142,15 @@ class MeshTarget:
             await asyncio.to_thread(self.mesh.down)
 
 
+async def _sse_events(resp: httpx.Response) -> AsyncIterator[dict]:
+    """The JSON events of an OpenAI-style server-sent-events stream, up to [DONE]."""
+    if resp.status_code != 200:
+        raise TargetError(f"HTTP_{resp.status_code}")
+    async for line in resp.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 class HttpMeshTarget:
     """The same mesh through the gateway's OpenAI-compatible HTTP front (SSE), attached to a
     MeshTarget's gateway: bench.overhead pairs it with the gRPC front request by request."""
@@ -163,12 +172,7 @@ class HttpMeshTarget:
         if spec.request_class == "batch":
             body["service_tier"] = "flex"
         async with self.client.stream("POST", "/chat/completions", json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                raise TargetError(f"HTTP_{resp.status_code}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
+            async for event in _sse_events(resp):
                 if event.get("usage"):
                     u = event["usage"]
                     # The mesh's request id (the ledger's key): device times are read from there.
@@ -273,12 +277,7 @@ class LlamaCppTarget:
         body = {"prompt": list(spec.prompt_token_ids), "max_tokens": spec.max_tokens,
                 "temperature": 0.0, "stream": True, "cache_prompt": True}
         async with self.client.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                raise TargetError(f"HTTP_{resp.status_code}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
+            async for event in _sse_events(resp):
                 if event.get("usage"):
                     yield _llama_usage(event["usage"])
                 elif event.get("choices") and event["choices"][0].get("text"):

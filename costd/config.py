@@ -9,6 +9,7 @@ from pathlib import Path
 
 from costd.costmodel import IdlePolicy
 from costd.ledger import LedgerConfig
+from llmmesh import metrics
 
 # Where `llmmesh usage` looks for costd by default.
 DEFAULT_LISTEN = "127.0.0.1:50055"
@@ -70,10 +71,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Cost
                         help=f"default idle capacity policy (env {IDLE_POLICY_ENV})")
     parser.add_argument("--tls-dir", default=environ.get(TLS_DIR_ENV),
                         help=f"the mesh's TLS files (env {TLS_DIR_ENV})")
-    parser.add_argument("--metrics-port", type=int,
-                        default=int(environ.get("LLMMESH_METRICS_PORT", -1)),
-                        help="serve Prometheus metrics on this port (0: any free one; -1: off)")
-    parser.add_argument("--metrics-host", default=environ.get("LLMMESH_METRICS_HOST", "127.0.0.1"))
+    metrics.add_arguments(parser, environ)
     args = parser.parse_args(argv)
     return CostdConfig(listen=args.listen, ledger=LedgerConfig.from_url(args.db),
                        grace_s=args.grace_s, prices_path=args.prices,

@@ -85,11 +85,6 @@ class Frontend:
         # in this task, not in a finalizer elsewhere.
         events = contextlib.aclosing(self._generate(tenant, req, request_class, deadline_unix_ns,
                                                     announce, span_attributes))
-        if self.metrics is None:
-            async with events as inner:
-                async for out in inner:
-                    yield out
-            return
         start, first, last, num_output, error_type = time.perf_counter(), None, None, 0, ""
         try:
             async with events as inner:
@@ -99,21 +94,17 @@ class Frontend:
                         first = first or last
                         num_output += len(out.token_ids)
                     yield out
-        except MeshError as exc:
-            error_type = exc.code.name
-            raise
-        except asyncio.CancelledError:
-            error_type = "CANCELLED"
-            raise
-        except Exception as exc:
-            error_type = type(exc).__name__
+        except (Exception, asyncio.CancelledError) as exc:
+            error_type = (exc.code.name if isinstance(exc, MeshError) else "CANCELLED"
+                          if isinstance(exc, asyncio.CancelledError) else type(exc).__name__)
             raise
         finally:
-            self.metrics.request(operation=req.operation, model=req.model.name,
-                                 tenant=tenant.tenant_id, request_class=request_class,
-                                 start=start, first=first, last=last, num_output=num_output,
-                                 num_input=len(req.prompt_token_ids), end=time.perf_counter(),
-                                 error_type=error_type)
+            if self.metrics is not None:
+                self.metrics.request(operation=req.operation, model=req.model.name,
+                                     tenant=tenant.tenant_id, request_class=request_class,
+                                     start=start, first=first, last=last, num_output=num_output,
+                                     num_input=len(req.prompt_token_ids), end=time.perf_counter(),
+                                     error_type=error_type)
 
     async def _generate(self, tenant: Tenant, req: ValidRequest, request_class: str,
                         deadline_unix_ns: int, announce: bool, span_attributes: dict | None

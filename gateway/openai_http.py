@@ -65,7 +65,7 @@ _INT32 = 2**31 - 1
 # ---------------------------------------------------------------------------------------------
 # Errors in OpenAI's shape
 
-def error_body(status: int, etype: str, message: str, param: str | None = None,
+def error_body(etype: str, message: str, param: str | None = None,
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": etype, "param": param, "code": code}}
 
@@ -74,14 +74,14 @@ def _error_of(exc: BaseException, params: dict | None = None) -> tuple[int, dict
     """(HTTP status, body, headers) for an error; `params` renames validation fields."""
     headers: dict[str, str] = {}
     if isinstance(exc, RedisError):
-        return 503, error_body(503, "service_unavailable", "queue store unavailable; retry shortly",
+        return 503, error_body("service_unavailable", "queue store unavailable; retry shortly",
                                code="service_unavailable"), {"retry-after": "1"}
     if isinstance(exc, HTTPException):   # Starlette's own refusals (a malformed multipart form)
         status = exc.status_code
-        return status, error_body(status, "invalid_request_error", str(exc.detail)), headers
+        return status, error_body("invalid_request_error", str(exc.detail)), headers
     if not isinstance(exc, MeshError):
         log.exception("unhandled error in the HTTP front", exc_info=exc)
-        return 500, error_body(500, "server_error", "internal error; see the gateway's logs",
+        return 500, error_body("server_error", "internal error; see the gateway's logs",
                                code="internal_error"), headers
     status, etype = _HTTP.get(exc.code, (500, "server_error"))
     message, param, code = exc.message, None, _CODES.get(status)
@@ -96,7 +96,7 @@ def _error_of(exc: BaseException, params: dict | None = None) -> tuple[int, dict
         headers["retry-after-ms"] = str(max(1, int(exc.retry_after_s * 1000)))
         if "budget" in message:
             code = "insufficient_quota"
-    return status, error_body(status, etype, message, param, code), headers
+    return status, error_body(etype, message, param, code), headers
 
 
 def _rename(field_path: str, params: dict) -> str:
@@ -796,7 +796,7 @@ class OpenAIFront:
                 status = _HTTP.get(grpc.StatusCode[r["error_code"]], (500, "server_error"))[0] \
                     if r["error_code"] in grpc.StatusCode.__members__ else 500
                 line["response"] = {"status_code": status, "request_id": r["request_id"],
-                                    "body": error_body(status, "batch_request_error",
+                                    "body": error_body("batch_request_error",
                                                        r["error_message"], code=r["error_code"].lower())}
                 line["error"] = {"code": r["error_code"].lower(), "message": r["error_message"]}
                 err.append((i, line))
@@ -873,12 +873,12 @@ class OpenAIFront:
     # -- the app --------------------------------------------------------------------------
     def app(self) -> Starlette:
         async def not_found(request: Request, exc):
-            return JSONResponse(error_body(404, "not_found_error",
+            return JSONResponse(error_body("not_found_error",
                                            f"no route {request.method} {request.url.path}"),
                                 status_code=404)
 
         async def not_allowed(request: Request, exc):
-            return JSONResponse(error_body(405, "invalid_request_error",
+            return JSONResponse(error_body("invalid_request_error",
                                            f"{request.method} is not allowed on {request.url.path}"),
                                 status_code=405)
         routes = [

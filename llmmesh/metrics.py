@@ -16,9 +16,12 @@ from the fleet's leases, `outcome` / `error_type` a status name or a fixed vocab
 from __future__ import annotations
 
 import logging
+import os
 
 from opentelemetry.semconv._incubating.metrics import gen_ai_metrics as semconv
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, start_http_server
+
+from llmmesh.telemetry import PROVIDER_NAME
 
 log = logging.getLogger("llmmesh.metrics")
 # No `_created` series beside every counter and histogram: Prometheus does not need them, and
@@ -36,9 +39,6 @@ TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4
 # Engine steps: ms-scale on a CPU, sub-ms on a GPU.
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512,
                 1.024, 2.048)
-
-PROVIDER = "llmmesh"
-
 
 def prometheus_name(otel_name: str) -> str:
     """An OTel metric name as Prometheus spells it (the unit suffix is added by the client)."""
@@ -80,16 +80,16 @@ class GenAIServerMetrics:
                                 registry=registry)
 
     def labels(self, operation: str, model: str, tenant: str, request_class: str) -> tuple:
-        return (operation, PROVIDER, model, tenant, request_class)
+        return (operation, PROVIDER_NAME, model, tenant, request_class)
 
 
-def add_arguments(parser, default_port: int = -1) -> None:
-    """--metrics-port / --metrics-host, the same on every service."""
-    import os
-    parser.add_argument("--metrics-port", type=int,
-                        default=int(os.environ.get("LLMMESH_METRICS_PORT", default_port)),
+def add_arguments(parser, environ=None) -> None:
+    """--metrics-port / --metrics-host, the same on every service (defaults from `environ`,
+    os.environ when None)."""
+    env = os.environ if environ is None else environ
+    parser.add_argument("--metrics-port", type=int, default=int(env.get("LLMMESH_METRICS_PORT", -1)),
                         help="serve Prometheus metrics on this port (0: any free one; -1: off)")
-    parser.add_argument("--metrics-host", default=os.environ.get("LLMMESH_METRICS_HOST", "127.0.0.1"),
+    parser.add_argument("--metrics-host", default=env.get("LLMMESH_METRICS_HOST", "127.0.0.1"),
                         help="address the metrics port binds (0.0.0.0 in a pod)")
 
 

@@ -126,8 +126,9 @@ class CapacityAggregate:
 class WriteResult:
     num_new_usage: int
     num_new_capacity: int
-    # Request ids of the batch that were in the ledger before this write (repeats, not billed
-    # again). Read just before the write: exact with one committer per ledger, which costd is.
+    # With write(..., find_known=True): request ids of the batch already in the ledger before
+    # this write (repeats, not billed again). Read just before the write: exact with one
+    # committer per ledger, which costd is.
     known_request_ids: frozenset[str] = frozenset()
 
 
@@ -173,12 +174,12 @@ class SqlStore(ABC):
     @abstractmethod
     def _read(self, sql: str, params: Sequence) -> list[tuple]: ...
 
-    def write(self, batches: Sequence[LedgerBatch]) -> WriteResult:
+    def write(self, batches: Sequence[LedgerBatch], find_known: bool = False) -> WriteResult:
         """All batches in one transaction (a group commit); repeats are no-ops."""
         now_ns = time.time_ns()
         usage = [usage_row(r, now_ns) for batch in batches for r in batch.usage]
         capacity = [capacity_row(r, now_ns) for batch in batches for r in batch.capacity]
-        ids = [row[0] for row in usage]
+        ids = [row[0] for row in usage] if find_known else []
         known: set[str] = set()
         for i in range(0, len(ids), 500):
             chunk = ids[i:i + 500]

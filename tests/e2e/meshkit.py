@@ -1,6 +1,8 @@
 """Helpers shared by the end-to-end tests: clients, streams, waiting on conditions."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 
 import grpc
@@ -35,6 +37,21 @@ def tenants_file(path, budget: int) -> str:
     with open(path, "w") as f:
         f.write(TENANTS_TOML.format(capped=digest, budget=budget))
     return str(path)
+
+
+@contextlib.contextmanager
+def mesh_with_tenants(var, tenants_toml: str):
+    """A mesh of its own (one worker, one router) whose gateway reads `tenants_toml`; stopped on
+    exit. For modules whose tenants differ from the demo ones."""
+    from llmmesh.launcher import Mesh
+    (var / "tenants.toml").write_text(tenants_toml)
+    m = Mesh(var_dir=str(var), worker_args=["--max-num-seqs", "8"],
+             gateway_args=["--tenants", str(var / "tenants.toml")])
+    try:
+        asyncio.run(m.up(num_workers=1, timeout_s=240))
+        yield m
+    finally:
+        m.down()
 
 
 def auth(key: str):

@@ -3,7 +3,6 @@ HTTP API agrees with what the clients measured — request and token counts exac
 within a bucket of the clients' p95 — and every service's own families are there."""
 from __future__ import annotations
 
-import asyncio
 import bisect
 import json
 import os
@@ -20,10 +19,10 @@ import openai
 import pytest
 
 from gateway.tenants import hash_key
-from llmmesh.launcher import Mesh, free_port
+from llmmesh.launcher import free_port
 from llmmesh.metrics import TTFT_BUCKETS
 from llmmesh.v1 import gateway_pb2_grpc
-from tests.e2e.meshkit import DEMO_KEYS, auth, chat, wait_until
+from tests.e2e.meshkit import DEMO_KEYS, auth, chat, mesh_with_tenants, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model,
               pytest.mark.skipif(shutil.which("prometheus") is None,
@@ -46,15 +45,8 @@ budget_period = "month"
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    var = tmp_path_factory.mktemp("metrics")
-    (var / "tenants.toml").write_text(TENANTS)
-    m = Mesh(var_dir=str(var), worker_args=["--max-num-seqs", "8"],
-             gateway_args=["--tenants", str(var / "tenants.toml")])
-    try:
-        asyncio.run(m.up(num_workers=1, timeout_s=240))
+    with mesh_with_tenants(tmp_path_factory.mktemp("metrics"), TENANTS) as m:
         yield m
-    finally:
-        m.down()
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ the work on the worker, the Batch API round trip seen from gRPC too."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import sqlite3
 import subprocess
@@ -17,51 +16,40 @@ import httpx
 import openai
 import pytest
 
-from llmmesh.launcher import Mesh
+from gateway.tenants import hash_key
 from llmmesh.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.e2e.meshkit import DEMO_KEYS, auth, wait_until, worker_load
+from tests.e2e.meshkit import DEMO_KEYS, auth, mesh_with_tenants, wait_until, worker_load
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 MODEL = "smollm2-135m-instruct"
 KEYS = {**DEMO_KEYS, "narrow": "llmmesh-test-narrow", "slow": "llmmesh-test-slow"}
 
 
-def _digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
 TENANTS = f"""
 [tenants.acme]
-api_key_sha256 = ["{_digest(KEYS['acme'])}"]
+api_key_sha256 = ["{hash_key(KEYS['acme'])}"]
 cache_scope = "acme"
 
 [tenants.globex]
-api_key_sha256 = ["{_digest(KEYS['globex'])}"]
+api_key_sha256 = ["{hash_key(KEYS['globex'])}"]
 cache_scope = "globex"
 
 [tenants.narrow]
 # May use batch only, and a model this mesh does not serve.
-api_key_sha256 = ["{_digest(KEYS['narrow'])}"]
+api_key_sha256 = ["{hash_key(KEYS['narrow'])}"]
 allowed_classes = ["batch"]
 allowed_models = ["some-other-model"]
 
 [tenants.slow]
-api_key_sha256 = ["{_digest(KEYS['slow'])}"]
+api_key_sha256 = ["{hash_key(KEYS['slow'])}"]
 requests_per_minute = 1
 """
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    var = tmp_path_factory.mktemp("openai")
-    (var / "tenants.toml").write_text(TENANTS)
-    m = Mesh(var_dir=str(var), worker_args=["--max-num-seqs", "8"],
-             gateway_args=["--tenants", str(var / "tenants.toml")])
-    try:
-        asyncio.run(m.up(num_workers=1, timeout_s=240))
+    with mesh_with_tenants(tmp_path_factory.mktemp("openai"), TENANTS) as m:
         yield m
-    finally:
-        m.down()
 
 
 def _client(mesh, tenant="acme", **kw) -> openai.OpenAI:

@@ -21,6 +21,18 @@ class _Tokenizer:
         return ""
 
 
+def _start_request(frontend: Frontend, request_id: str) -> asyncio.Task:
+    """One request of tenant acme through `frontend`, consumed in a task of its own."""
+    req = ValidRequest(request_id, ServedModel("m", 2048, "int8", _Tokenizer()), [1, 2, 3],
+                       {"max_tokens": 4, "stop": []}, "interactive")
+    tenant = Tenant("acme", ("interactive", "batch"), "acme")
+
+    async def consume():
+        async for _ in frontend.generate(tenant, req, 0):
+            pass
+    return asyncio.create_task(consume())
+
+
 @pytest.mark.parametrize("outcome", [(0, 0.0), (ALREADY_USED, 0.0)])
 def test_cancel_during_enqueue_aborts_only_what_was_enqueued(redis_server, outcome):
     async def body():
@@ -33,14 +45,7 @@ def test_cancel_during_enqueue_aborts_only_what_was_enqueued(redis_server, outco
             await release.wait()
             return outcome
         frontend.admission.admit_and_enqueue = slow_enqueue
-        req = ValidRequest("shared-id", ServedModel("m", 2048, "int8", _Tokenizer()), [1, 2, 3],
-                           {"max_tokens": 4, "stop": []}, "interactive")
-        tenant = Tenant("acme", ("interactive", "batch"), "acme")
-
-        async def consume():
-            async for _ in frontend.generate(tenant, req, 0):
-                pass
-        task = asyncio.create_task(consume())
+        task = _start_request(frontend, "shared-id")
         await started.wait()
         task.cancel()                          # the client goes away mid-call
         await asyncio.sleep(0.05)
@@ -79,14 +84,7 @@ def test_a_cancel_lost_inside_redis_py_still_ends_the_relay_and_aborts(redis_ser
                     raise
                 return []        # what asyncio.wait_for does when its inner future is done
         client.xread = xread_losing_one_cancel
-        req = ValidRequest("lost-cancel", ServedModel("m", 2048, "int8", _Tokenizer()), [1, 2, 3],
-                           {"max_tokens": 4, "stop": []}, "interactive")
-        tenant = Tenant("acme", ("interactive", "batch"), "acme")
-
-        async def consume():
-            async for _ in frontend.generate(tenant, req, 0):
-                pass
-        task = asyncio.create_task(consume())
+        task = _start_request(frontend, "lost-cancel")
         while not reads:
             await asyncio.sleep(0.01)
         task.cancel()
