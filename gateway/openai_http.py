@@ -10,6 +10,7 @@ book, one tokenizer, one bill. Only the shapes differ, and the error table below
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -70,8 +71,8 @@ def error_body(etype: str, message: str, param: str | None = None,
     return {"error": {"message": message, "type": etype, "param": param, "code": code}}
 
 
-def _error_of(exc: BaseException, params: dict | None = None) -> tuple[int, dict, dict]:
-    """(HTTP status, body, headers) for an error; `params` renames validation fields."""
+def _error_of(exc: BaseException) -> tuple[int, dict, dict]:
+    """(HTTP status, body, headers) for an error (parse() already named fields as the body does)."""
     headers: dict[str, str] = {}
     if isinstance(exc, RedisError):
         return 503, error_body("service_unavailable", "queue store unavailable; retry shortly",
@@ -86,7 +87,7 @@ def _error_of(exc: BaseException, params: dict | None = None) -> tuple[int, dict
     status, etype = _HTTP.get(exc.code, (500, "server_error"))
     message, param, code = exc.message, None, _CODES.get(status)
     if isinstance(exc, InvalidArgument):
-        param = (params or {}).get(exc.field) or _rename(exc.field, params or {})
+        param = exc.field
         problem = exc.message.split(": ", 1)[1] if ": " in exc.message else exc.message
         message, code = f"{param}: {problem}", "invalid_value"
     if status == 404 and message.startswith("model "):
@@ -104,8 +105,8 @@ def _rename(field_path: str, params: dict) -> str:
     return (params.get(head, head) + dot + rest) if dot else params.get(field_path, field_path)
 
 
-def _error_response(exc: BaseException, params: dict | None = None) -> JSONResponse:
-    status, body, headers = _error_of(exc, params)
+def _error_response(exc: BaseException) -> JSONResponse:
+    status, body, headers = _error_of(exc)
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -905,7 +906,6 @@ class _Server(uvicorn.Server):
     """uvicorn without its own signal handling: the gateway's bootstrap owns SIGTERM/SIGINT."""
 
     def capture_signals(self):
-        import contextlib
         return contextlib.nullcontext()
 
 
