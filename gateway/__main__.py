@@ -15,13 +15,12 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_http import HttpServer, OpenAIFront
 from gateway.servicer import GatewayServicer
 from gateway.tenants import TenantBook, TenantsFileError
-from gateway.validation import ServedModel
+from gateway.models import ModelBook
 from llmmesh import metrics, server, telemetry
 from llmmesh.identity import Role
 from llmmesh.mtls import MeshIdentity
 from llmmesh.supervisor import Supervisor, redis_check
-from llmmesh.models import DEFAULT_MODEL, read_context_length, resolve_model
-from llmmesh.tokenizer import Tokenizer
+from llmmesh.catalog import CatalogError, CatalogFile, catalog_path
 from llmmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
 
@@ -32,10 +31,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--redis-url", default=env("REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--otlp-endpoint", default=env("LLMMESH_OTLP_ENDPOINT"))
     p.add_argument("--tenants", default=env("LLMMESH_TENANTS_FILE", "config/tenants.toml"))
-    p.add_argument("--model", default=env("LLMMESH_MODEL", DEFAULT_MODEL))
-    # Only the label ListModels shows; workers read the same variable and resolve "auto" per
-    # device (int4 on a CPU, bf16 on CUDA), so one setting keeps both sides in agreement.
-    p.add_argument("--quantization", default=env("LLMMESH_QUANTIZATION", "auto"))
+    p.add_argument("--catalog", default=catalog_path(),
+                   help="the model catalog (LLMMESH_MODELS_FILE; default config/models.toml)")
     p.add_argument("--block-size", type=int, default=int(env("LLMMESH_BLOCK_SIZE", "16")))
     p.add_argument("--tls-cert", default=env("LLMMESH_GATEWAY_TLS_CERT"),
                    help="PEM certificate for the public port (plaintext without one)")
@@ -60,9 +57,10 @@ async def main() -> None:
     # Its own spans go to costd over mutual TLS as the gateway role (never billed from there).
     tracer = telemetry.setup_tracing("llmmesh-gateway", args.otlp_endpoint,
                                      MeshIdentity.from_env(Role.GATEWAY))
-    spec = resolve_model(args.model)
-    model = ServedModel(spec.name, read_context_length(spec.gguf_path), args.quantization,
-                        Tokenizer.from_gguf(spec.gguf_path))
+    try:
+        models = ModelBook(CatalogFile(args.catalog))
+    except (CatalogError, OSError, KeyError, ValueError) as exc:
+        raise SystemExit(f"gateway: {exc}") from None
     # socket_timeout well above the relay's 500 ms XREAD block: a hung Redis cannot hang a call.
     redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True, socket_timeout=5.0,
                                     socket_connect_timeout=2.0, health_check_interval=10)
@@ -76,7 +74,7 @@ async def main() -> None:
     except (TenantsFileError, OSError) as exc:
         raise SystemExit(f"gateway: {exc}") from None   # one line, not a traceback
     frontend.metrics.watch_tenants(tenants)
-    servicer = GatewayServicer(frontend, tenants, {model.name: model}, model.name,
+    servicer = GatewayServicer(frontend, tenants, models, models.default,
                                BatchJobs(redis, frontend))
 
     supervisor = Supervisor()   # no loops of its own: health follows Redis, its queue store
@@ -87,7 +85,7 @@ async def main() -> None:
     # frontend and batch jobs. It listens before gRPC health says SERVING.
     http = None
     if args.http_listen:
-        http = HttpServer(OpenAIFront(frontend, tenants, servicer.models, model.name,
+        http = HttpServer(OpenAIFront(frontend, tenants, servicer.models, models.default,
                                       servicer.batch_jobs, healthy=supervisor.healthy).app(),
                           args.http_listen, tls)
         address = await http.start()

@@ -37,7 +37,7 @@ class BatchJobs:
         if len(items) > MAX_REQUESTS_PER_JOB:
             raise InvalidArgument("requests", f"at most {MAX_REQUESTS_PER_JOB} per job, got {len(items)}")
         for item in items:
-            tenant.check_model(item.model.name)
+            tenant.check_model(item.model.name, item.model.allowed_tenants)
         job_id = uuid.uuid4().hex
         reservations = await self._reserve_budget(tenant, job_id, items)
         stream = queue.queue_stream("batch")

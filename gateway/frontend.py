@@ -20,7 +20,7 @@ from llmmesh.admission import ALREADY_USED, QUEUE_FULL, REFUSALS, Admission, Res
 from llmmesh.admission import keys as admission_keys
 from llmmesh.errors import (AlreadyExists, DeadlineExceeded, InvalidArgument, MeshError,
                             ResourceExhausted, Unavailable, error_from_code)
-from llmmesh.prefix_hash import block_hashes
+from llmmesh.prefix_hash import block_hashes, cache_salt
 
 # How long one XREAD blocks; bounds how late a deadline or a dead Redis is noticed.
 _POLL_BLOCK_MS = 500
@@ -79,7 +79,7 @@ class Frontend:
                        ) -> AsyncIterator[Admitted | TokensOut | FinalOut]:
         """Admit, enqueue and relay one request. With `announce`, an Admitted event comes
         first, once the request is queued; `span_attributes` go on the gateway's span."""
-        tenant.check_model(req.model.name)
+        tenant.check_model(req.model.name, req.model.allowed_tenants)
         request_class = tenant.cap_class(req.requested_class)
         # aclosing: a consumer that stops early closes the inner generator (and its span) here,
         # in this task, not in a finalizer elsewhere.
@@ -199,7 +199,7 @@ class Frontend:
     def build_entry(self, tenant: Tenant, req: ValidRequest, request_class: str,
                deadline_unix_ns: int) -> queue.QueueEntry:
         # The salt comes from the tenant's configured scope, never from the client.
-        salt = f"scope:{tenant.cache_scope}"
+        salt = cache_salt(tenant.cache_scope, req.model.name)
         return queue.QueueEntry(
             request_id=queue.mesh_request_id(tenant.tenant_id, req.request_id),
             tenant_id=tenant.tenant_id, request_class=request_class,

@@ -31,6 +31,7 @@ from gateway.batch_jobs import BatchJobs
 from gateway.frontend import Admitted, FinalOut, Frontend, TokensOut
 from gateway.tenants import Tenant, TenantBook
 from gateway.textstream import TextStream
+from gateway.models import describe, live_states
 from gateway.validation import ServedModel, ValidRequest, validate
 from llmmesh.errors import InvalidArgument, MeshError, NotFound, ResourceExhausted
 from llmmesh.v1 import common_pb2, gateway_pb2
@@ -590,10 +591,10 @@ class OpenAIFront:
             self._tenant(request)
         except MeshError as exc:
             return _error_response(exc)
+        live = await live_states(self.frontend.redis)
         return JSONResponse({"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": 0, "owned_by": "llmmesh",
-             "context_length": m.context_length, "quantization": m.quantization}
-            for m in self.models.values()]})
+            {"id": row.pop("name"), "object": "model", "created": 0, "owned_by": "llmmesh", **row}
+            for row in describe(self.models, live)]})
 
     async def health(self, request: Request):
         ok = True if self.healthy is None else await self.healthy()

@@ -6,6 +6,7 @@ import time
 from gateway.batch_jobs import BatchJobs
 from gateway.frontend import FinalOut, Frontend
 from gateway.tenants import TenantBook
+from gateway.models import describe, live_states
 from gateway.validation import ServedModel, validate
 from llmmesh.errors import InvalidArgument
 from llmmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -80,11 +81,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return gateway_pb2.CompleteResponse(text="".join(text), token_ids=token_ids, final=final)
 
     async def ListModels(self, request, context):
+        """The catalog, with each model's live state and the weight format workers load."""
         self.tenants.authenticate(context.invocation_metadata())
-        return gateway_pb2.ListModelsResponse(models=[
-            gateway_pb2.ModelInfo(name=m.name, context_length=m.context_length,
-                                  quantization=m.quantization)
-            for m in self.models.values()])
+        live = await live_states(self.frontend.redis)
+        return gateway_pb2.ListModelsResponse(
+            models=[gateway_pb2.ModelInfo(**row) for row in describe(self.models, live)])
 
     async def SubmitBatch(self, request, context):
         tenant = self.tenants.authenticate(context.invocation_metadata())

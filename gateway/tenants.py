@@ -6,19 +6,17 @@ a restart.
 from __future__ import annotations
 
 import hashlib
-import logging
-import os
 import re
 import tomllib
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
+from llmmesh.config_file import ConfigFileError, WatchedFile, failure
 from llmmesh.errors import PermissionDenied, Unauthenticated
 from llmmesh.queue import CLASSES
 
 
 _PERIODS = ("none", "day", "month")
-log = logging.getLogger("gateway.tenants")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +62,13 @@ class Tenant:
         """The requested class if the plan allows it, else batch (the class every plan has)."""
         return requested if requested in self.allowed_classes else "batch"
 
-    def check_model(self, model: str) -> None:
+    def check_model(self, model: str, catalog_tenants: tuple[str, ...] = ()) -> None:
         """PermissionDenied unless the tenant may use `model` (a class is capped; a model is not:
-        another model would be another answer, not a slower one)."""
+        another model would be another answer, not a slower one): both the catalog entry's
+        allowed_tenants and the tenant's own allowed_models must let it."""
+        if catalog_tenants and self.tenant_id not in catalog_tenants:
+            raise PermissionDenied(f"model {model!r} is not available to tenant "
+                                   f"{self.tenant_id} (the catalog limits it to other tenants)")
         if self.allowed_models and model not in self.allowed_models:
             raise PermissionDenied(f"model {model!r} is not in tenant {self.tenant_id}'s plan; "
                                    f"allowed: {', '.join(self.allowed_models)}")
@@ -84,30 +86,13 @@ _TENANT_KEYS = ("api_key_sha256", "allowed_classes", "allowed_models", "cache_sc
 _DIGEST = re.compile(r"^[0-9a-fA-F]{64}$")
 
 
-class TenantsFileError(ValueError):
+class TenantsFileError(ConfigFileError):
     """A tenants file that must not be used; the message names file, line and key."""
-
-
-def _line_of(text: str, table: str, key: str | None) -> int:
-    """The line of `key` inside `[table]` (of the table's header when key is None); 0 if unseen."""
-    lines, inside = text.splitlines(), table is None
-    for n, line in enumerate(lines, 1):
-        stripped = line.strip()
-        if stripped.startswith("["):
-            inside = stripped.strip("[] ") == table
-            if inside and key is None:
-                return n
-        elif inside and key and re.match(rf"^{re.escape(key)}\s*=", stripped):
-            return n
-    return 0
 
 
 def _check(path: str, text: str, raw: dict) -> None:
     def fail(table: str | None, key: str | None, why: str):
-        line = _line_of(text, table, key)
-        where = f"{path}:{line}" if line else path
-        name = ".".join(p for p in (table, key) if p)
-        raise TenantsFileError(f"{where}: {name}: {why}")
+        raise failure(path, text, table, key, why, TenantsFileError)
 
     for key in raw:
         if key != "tenants":
@@ -165,27 +150,11 @@ class TenantBook:
 
     def __init__(self, path: str):
         self.path = path
-        self._by_digest: dict[str, Tenant] = load_tenants(path)   # a bad file stops start-up
-        self._mtime_ns = os.stat(path).st_mtime_ns
+        self._file = WatchedFile(path, load_tenants, what="tenants file")  # a bad file stops start-up
 
-    def _reload_if_changed(self) -> None:
-        try:
-            mtime_ns = os.stat(self.path).st_mtime_ns
-        except OSError as exc:
-            mtime_ns = -1
-            why = f"unreadable ({exc})"
-        if mtime_ns == self._mtime_ns:
-            return
-        self._mtime_ns = mtime_ns     # tried once per change, not once per call
-        try:
-            if mtime_ns == -1:
-                raise TenantsFileError(why)
-            self._by_digest = load_tenants(self.path)
-            log.info("tenants file %s reloaded", self.path)
-        except (TenantsFileError, OSError) as exc:
-            # Keep serving with the last good tenants: a broken edit must not lock everyone out
-            # (or, worse, drop a limit).
-            log.error("tenants file not reloaded, keeping the last good one: %s", exc)
+    @property
+    def _by_digest(self) -> dict[str, Tenant]:
+        return self._file.current()
 
     def tenants(self) -> list[Tenant]:
         """Every tenant of the file as last loaded, once each."""
@@ -201,7 +170,6 @@ class TenantBook:
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             raise Unauthenticated("authorization metadata must be `Bearer <api key>`")
-        self._reload_if_changed()
         # Looking up the digest (not the key) leaks nothing useful through timing.
         tenant = self._by_digest.get(hash_key(key.strip()))
         if tenant is None:

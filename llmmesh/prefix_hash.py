@@ -34,3 +34,9 @@ def block_hashes(token_ids: Sequence[int], block_size: int, salt: str) -> list[i
         parent = hash_block(parent, token_ids[start:start + block_size])
         hashes.append(parent)
     return hashes
+
+
+def cache_salt(cache_scope: str, model: str) -> str:
+    """The salt of a tenant's requests for one model: prefixes are shared inside a cache scope
+    and a model, never across (a worker hosting two models publishes one index for both)."""
+    return f"scope:{cache_scope}|model:{model}"

@@ -21,7 +21,7 @@ from llmmesh.admission import Admission, Reservation
 from llmmesh.jobs import JobResults
 from llmmesh.v1 import worker_pb2
 from router.fairness import ClassPolicy, ClassScheduler
-from router.policy import Policy
+from router.policy import Policy, place
 from router.registry import WorkerHandle, WorkerRegistry
 from router.relay import (MAX_ATTEMPTS, RequestFailed, RequestProgress, apply_stream_state,
                           billing_fields, read_result_stream, record_usage, run_attempt,
@@ -390,11 +390,18 @@ class Dispatcher:
         return int(info[0]["times_delivered"]) if info else 0
 
     async def _pick(self, entry: queue.QueueEntry) -> WorkerHandle:
+        started = time.monotonic()
         while True:
-            worker = self.policy.select_worker(entry, self.registry.available())
+            worker = place(self.policy, entry, self.registry.available(),
+                           list(self.registry.workers.values()), time.monotonic() - started)
             if worker is not None:
                 self.policy.on_dispatched(entry, worker)
                 return worker
+            if entry.deadline_unix_ns and time.time_ns() >= entry.deadline_unix_ns:
+                served = any(h.model_state(entry.model) for h in self.registry.workers.values())
+                raise RequestFailed("DEADLINE_EXCEEDED", (
+                    f"no worker serving model {entry.model!r} had room before the deadline"
+                    if served else f"no live worker serves model {entry.model!r}"))
             self._slot_freed.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._slot_freed.wait(), 0.5)

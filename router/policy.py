@@ -77,6 +77,42 @@ class PrefixAffinity:
         worker.recent_hashes.update((h, now) for h in entry.block_hashes)
 
 
+def place(policy: Policy, entry: QueueEntry, available: list[WorkerHandle],
+          fleet: list[WorkerHandle], waited_s: float) -> WorkerHandle | None:
+    """Model-aware placement in front of any policy. Only workers that serve the request's
+    model are candidates; one where it is loaded wins (the policy picks among those: load and
+    prefix affinity); else one where it is loading (the request waits there); else a cold
+    start, but only once the request has waited for a warm slot as long as the cold start would
+    take (never wait longer for a busy warm worker than loading it elsewhere costs). A cold
+    start goes where the model fits without unloading anything, then where an idle model can
+    make room, the least loaded first. None: wait (and ask again)."""
+    model = entry.model
+    serving = [h for h in available if h.model_state(model) is not None]
+    warm = [h for h in serving if h.model_state(model) == "loaded"]
+    if warm:
+        return policy.select_worker(entry, warm)
+    loading = [h for h in serving if h.model_state(model) == "loading"]
+    if loading:
+        return min(loading, key=_load_ratio)
+    if not serving:
+        return None
+    busy_warm = [h for h in fleet if h.healthy and h.model_state(model) in ("loaded", "loading")]
+    cold_s = min(h.models()[model][1] for h in serving)
+    if busy_warm and waited_s < cold_s:
+        return None
+
+    def fit(h: WorkerHandle) -> tuple:
+        free = h.free_memory_bytes
+        room = 0 if free is None or free > 0 else 1
+        evictable = any(ev for _, (_, _, ev) in h.models().items())
+        return room, not evictable, _load_ratio(h), h.worker_id
+    return min(serving, key=fit)
+
+
+def _load_ratio(h: WorkerHandle) -> tuple[float, str]:
+    return h.num_inflight / max(1, h.max_inflight), h.worker_id
+
+
 POLICIES = {p.name: p for p in (RoundRobin, LeastLoad, PrefixAffinity)}
 
 

@@ -42,12 +42,43 @@ class WorkerHandle:
     healthy: bool = True
     # Opened by failed attempts, closed by a successful one: not by a lease refresh.
     breaker: CircuitBreaker | None = None
+    # The lease's model list ({name, state, quantization, load_s, evictable}), until the
+    # first GetLoad probe answers with fresher states.
+    lease_models: tuple[dict, ...] = ()
+
+    def models(self) -> dict[str, tuple[str, float, bool]]:
+        """Servable model -> (state, cold-start seconds, evictable), freshest source first."""
+        if self.load is not None and self.load.model_states:
+            return {s.name: (s.state, s.load_seconds, s.evictable) for s in self.load.model_states}
+        if self.load is not None and not self.lease_models:   # a worker without model states
+            return {m: ("loaded", 0.0, False) for m in self.load.models}
+        return {m["name"]: (m.get("state", "loaded"), float(m.get("load_s", 0.0)),
+                            bool(m.get("evictable", False))) for m in self.lease_models}
+
+    def model_state(self, model: str) -> str | None:
+        """"loaded", "loading", "unloaded" (servable, not loaded) or None (not served here)."""
+        entry = self.models().get(model)
+        return entry[0] if entry else None
+
+    @property
+    def free_memory_bytes(self) -> int | None:
+        """Room left in the worker's memory budget (None: no budget, or not probed yet)."""
+        if self.load is None or not self.load.memory_budget_bytes:
+            return None
+        return self.load.memory_budget_bytes - self.load.memory_used_bytes
 
     @property
     def free_slots(self) -> int:
         if not self.healthy or (self.breaker is not None and not self.breaker.available()):
             return 0
         return self.max_inflight - self.num_inflight
+
+
+def _lease_models(info: dict) -> list[dict]:
+    models = info.get("models")
+    if isinstance(models, list):
+        return [m for m in models if isinstance(m, dict) and isinstance(m.get("name"), str)]
+    return [{"name": info["model"], "state": "loaded"}] if info.get("model") else []
 
 
 class WorkerRegistry:
@@ -79,6 +110,7 @@ class WorkerRegistry:
                 self._add(info)
             elif not handle.healthy:
                 handle.healthy = True  # a fresh lease after a failure: try it again
+            self.workers[worker_id].lease_models = tuple(_lease_models(info))
         await self._probe_loads()
         self.changed.set()
 
@@ -90,7 +122,8 @@ class WorkerRegistry:
             worker_id=info["worker_id"], address=info["address"],
             max_inflight=int(info.get("max_inflight", 32)), channel=channel,
             stub=worker_pb2_grpc.WorkerServiceStub(channel),
-            breaker=CircuitBreaker(info["worker_id"], open_s=self.breaker_open_s))
+            breaker=CircuitBreaker(info["worker_id"], open_s=self.breaker_open_s),
+            lease_models=tuple(_lease_models(info)))
         log.info("worker %s at %s joined", info["worker_id"], info["address"])
 
     async def _probe_loads(self) -> None:

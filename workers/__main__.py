@@ -18,14 +18,13 @@ from llmmesh import metrics, queue, server, telemetry
 from llmmesh.identity import Role
 from llmmesh.mtls import MeshIdentity
 from llmmesh.supervisor import Supervisor, redis_check
-from llmmesh.models import DEFAULT_MODEL, resolve_model
-from llmmesh.tokenizer import Tokenizer
+from llmmesh.catalog import CatalogError, CatalogFile, catalog_path
 from llmmesh.v1 import worker_pb2, worker_pb2_grpc
 from workers.capacity import report_capacity
 from workers.engine.async_engine import AsyncEngine
-from workers.engine.config import QUANTIZATIONS, EngineConfig
+from workers.engine.config import EngineConfig
+from workers.hosting import ModelHost
 from workers.metrics import WorkerMetrics
-from workers.model.quantize import resolve_quantization
 from workers.servicer import WorkerServicer
 
 log = logging.getLogger("workers")
@@ -41,13 +40,22 @@ def _args() -> argparse.Namespace:
     p.add_argument("--advertise", default=env("LLMMESH_WORKER_ADVERTISE"),
                    help="address routers should dial (default: the listen address)")
     p.add_argument("--worker-id", default=env("LLMMESH_WORKER_ID", f"{socket.gethostname()}-{os.getpid()}"))
-    p.add_argument("--model", default=env("LLMMESH_MODEL", DEFAULT_MODEL))
+    p.add_argument("--catalog", default=catalog_path(),
+                   help="the model catalog (LLMMESH_MODELS_FILE; default config/models.toml)")
+    p.add_argument("--models", default=env("LLMMESH_WORKER_MODELS", ""),
+                   help="comma-separated catalog models this worker may serve ('' = all)")
+    p.add_argument("--preload", "--model", dest="preload",
+                   default=env("LLMMESH_MODEL", ""),
+                   help="comma-separated models loaded at start (pinned ones always are; "
+                        "default: the catalog's default when this worker serves it)")
+    p.add_argument("--memory-mib", type=int, default=int(env("LLMMESH_WORKER_MEMORY_MIB", "0")),
+                   help="budget for weights + KV pools of the loaded models (0 = no budget); "
+                        "idle models are unloaded, least recently used first, to stay within it")
     p.add_argument("--device", default=env("LLMMESH_DEVICE", "cpu"))
     p.add_argument("--dtype", default=env("LLMMESH_DTYPE", "float32"))
-    p.add_argument("--quantization", default=env("LLMMESH_QUANTIZATION", "auto"),
-                   choices=QUANTIZATIONS, help="weight storage; auto: int4 on CPU (with the AVX2 kernels), bf16 on CUDA")
     p.add_argument("--max-num-seqs", type=int, default=int(env("LLMMESH_MAX_NUM_SEQS", "32")))
-    p.add_argument("--kv-cache-mib", type=int, default=int(env("LLMMESH_KV_CACHE_MIB", "512")))
+    p.add_argument("--kv-cache-mib", type=int, default=int(env("LLMMESH_KV_CACHE_MIB", "512")),
+                   help="each model's KV pool unless its catalog entry sets kv_cache_mib")
     p.add_argument("--block-size", type=int, default=int(env("LLMMESH_BLOCK_SIZE", "16")))
     p.add_argument("--batch-tokens-with-interactive", type=int,
                    default=int(env("LLMMESH_BATCH_TOKENS_WITH_INTERACTIVE", "8")),
@@ -65,11 +73,12 @@ def _args() -> argparse.Namespace:
     return p.parse_args()
 
 
-async def keep_lease(redis: aioredis.Redis, worker_id: str, info: dict) -> None:
-    """Renew this worker's registration; routers drop a worker whose lease lapses."""
+async def keep_lease(redis: aioredis.Redis, worker_id: str, info) -> None:
+    """Renew this worker's registration (`info()`: its current contents); routers drop a
+    worker whose lease lapses."""
     while True:
         try:
-            await redis.set(queue.worker_key(worker_id), json.dumps(info), ex=LEASE_TTL_S)
+            await redis.set(queue.worker_key(worker_id), json.dumps(info()), ex=LEASE_TTL_S)
         except RedisError as exc:
             log.warning("lease renewal failed: %s", exc)
         await asyncio.sleep(LEASE_TTL_S / 3)
@@ -77,11 +86,12 @@ async def keep_lease(redis: aioredis.Redis, worker_id: str, info: dict) -> None:
 
 async def publish_cache_index(redis: aioredis.Redis, worker_id: str, engine: AsyncEngine,
                               interval_s: float = 1.0) -> None:
-    """Mirror the engine's newest cached block hashes into Redis, where every router reads
-    them for prefix-affinity placement (one index shared by all routers and gateways)."""
+    """Mirror the engine's newest cached block hashes (of every loaded model: the gateway's
+    salt names the model, so they never collide) into Redis, where every router reads them for
+    prefix-affinity placement (one index shared by all routers and gateways)."""
     key, last = queue.worker_cache_key(worker_id), None
     while True:
-        hashes = engine.load().cached_block_hashes
+        hashes = tuple(h for load in engine.loads().values() for h in load.cached_block_hashes)
         try:
             async with redis.pipeline(transaction=True) as pipe:
                 if hashes != last:
@@ -101,44 +111,57 @@ async def main() -> None:
     server.configure_logging("worker")
     identity = MeshIdentity.from_env(Role.WORKER)   # before the model: a missing cert fails fast
     tracer = telemetry.setup_tracing("llmmesh-worker", args.otlp_endpoint, identity)
-    spec = resolve_model(args.model)
-    config = EngineConfig(gguf_path=spec.gguf_path, device=args.device, dtype=args.dtype,
-                          quantization=args.quantization,
-                          block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
-                          max_num_seqs=args.max_num_seqs, num_threads=args.threads,
-                          batch_tokens_with_interactive=args.batch_tokens_with_interactive,
-                          batch_step_budget_ms=args.batch_step_budget_ms or None,
-                          batch_ms_with_interactive=args.batch_ms_with_interactive,
-                          batch_nice=args.batch_nice or None)
-    # Resolved here so the lease, spans and GetLoad report the mode actually loaded.
-    quantization = resolve_quantization(config.quantization, config.device, config.torch_dtype)
-    config = dataclasses.replace(config, quantization=quantization)
-    engine = AsyncEngine(config)
-    await engine.start()
+    base = EngineConfig(device=args.device, dtype=args.dtype,
+                        block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
+                        max_num_seqs=args.max_num_seqs, num_threads=args.threads,
+                        batch_tokens_with_interactive=args.batch_tokens_with_interactive,
+                        batch_step_budget_ms=args.batch_step_budget_ms or None,
+                        batch_ms_with_interactive=args.batch_ms_with_interactive,
+                        batch_nice=args.batch_nice or None)
+    try:
+        catalog = CatalogFile(args.catalog)
+    except (CatalogError, OSError) as exc:
+        raise SystemExit(f"worker: {exc}") from None
+    serve = [m for m in args.models.split(",") if m] or None
+    for name in serve or ():
+        if name not in catalog.current().models:
+            raise SystemExit(f"worker: --models names {name!r}, which is not in {args.catalog} "
+                             f"(known: {', '.join(catalog.current().names)})")
+    host = ModelHost(catalog, base, serve=serve, memory_budget_bytes=args.memory_mib << 20)
+    preload = [m for m in args.preload.split(",") if m]
+    if not preload and catalog.current().default in host.servable():
+        preload = [catalog.current().default]
+    await host.start(preload)
+    engine = host.engine
     if args.metrics_port >= 0:
-        worker_metrics = WorkerMetrics(CollectorRegistry(), engine, args.worker_id, spec.name)
-        engine.core.on_step = worker_metrics.on_step
+        worker_metrics = WorkerMetrics(CollectorRegistry(), engine, args.worker_id, host)
+        engine.on_step = worker_metrics.on_step
         metrics.start(args, worker_metrics.registry)
-    info = engine.cache_info
-    log.info("KV cache: %d blocks of %d tokens (%.1f MiB), max context %d", info.num_blocks,
-             info.block_size, info.kv_cache_bytes / 2**20, info.max_model_len)
+    for name in engine.models:
+        info = engine.core_of(name).cache_info
+        log.info("%s KV cache: %d blocks of %d tokens (%.1f MiB), max context %d", name,
+                 info.num_blocks, info.block_size, info.kv_cache_bytes / 2**20, info.max_model_len)
     device_type = args.device if args.device != "cuda" else f"cuda:{_cuda_name()}"
     # Uptime reports from here on: costd bills idle capacity as uptime minus attributed time.
-    capacity = asyncio.create_task(report_capacity(tracer, args.worker_id, device_type))
+    capacity = asyncio.create_task(report_capacity(tracer, args.worker_id, device_type,
+                                                   loading=host.take_loading_seconds))
     # socket_timeout: a hung Redis fails a write in seconds instead of stalling the engine's output.
     redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True, socket_connect_timeout=2.0,
                                     socket_timeout=5.0)
     # The same connection pool writes the result streams of requests the router routes here.
-    servicer = WorkerServicer(engine, Tokenizer.from_gguf(spec.gguf_path), spec.name, args.worker_id,
-                              device_type, quantization, tracer, results=redis)
+    servicer = WorkerServicer(host, args.worker_id, device_type, tracer, results=redis)
     supervisor = Supervisor()
     supervisor.add_check("redis", redis_check(redis))
 
     def ready(address: str) -> None:
-        lease = {"worker_id": args.worker_id, "address": args.advertise or address, "model": spec.name,
-                 "max_inflight": args.max_num_seqs + max(2, args.max_num_seqs // 4), "device_type": device_type}
+        def lease() -> dict:
+            return {"worker_id": args.worker_id, "address": args.advertise or address,
+                    "models": host.lease_models(),
+                    "max_inflight": args.max_num_seqs + max(2, args.max_num_seqs // 4),
+                    "device_type": device_type}
         supervisor.start("lease", lambda: keep_lease(redis, args.worker_id, lease))
         supervisor.start("cache-index", lambda: publish_cache_index(redis, args.worker_id, engine))
+        supervisor.start("keep-alive", host.keep_alive_loop)
 
     async def close():
         await supervisor.stop()

@@ -15,18 +15,25 @@ from opentelemetry import trace
 SPAN_NAME = "llmmesh.capacity"
 
 
+LOADING_S = "llmmesh.capacity.loading_s"
+
+
 def emit_interval(tracer: trace.Tracer, worker_id: str, device_type: str, start_ns: int,
-                  end_ns: int) -> None:
+                  end_ns: int, loading_s: float = 0.0) -> None:
     span = tracer.start_span(SPAN_NAME, start_time=start_ns, attributes={
         "llmmesh.worker.id": worker_id, "llmmesh.device.type": device_type,
         "llmmesh.capacity.final": True,
-        "llmmesh.capacity.interval.id": f"{worker_id}:{start_ns}"})
+        "llmmesh.capacity.interval.id": f"{worker_id}:{start_ns}",
+        # Seconds of the interval spent loading models (their own capacity category).
+        LOADING_S: min(loading_s, max(0.0, (end_ns - start_ns) / 1e9))})
     span.end(end_time=end_ns)
 
 
 async def report_capacity(tracer: trace.Tracer, worker_id: str, device_type: str,
-                          interval_s: float = 10.0) -> None:
-    """Runs until cancelled; cancelling it reports the final partial interval, then re-raises."""
+                          interval_s: float = 10.0, loading=None) -> None:
+    """Runs until cancelled; cancelling it reports the final partial interval, then re-raises.
+    `loading()`: seconds spent loading models since its last call (None: no loading)."""
+    take = loading or (lambda: 0.0)
     if interval_s <= 0:
         raise ValueError(f"interval_s must be > 0, got {interval_s}")
     start_ns = time.time_ns()
@@ -37,8 +44,9 @@ async def report_capacity(tracer: trace.Tracer, worker_id: str, device_type: str
             await asyncio.sleep(max(0.0, next_deadline - time.monotonic()))
             next_deadline += interval_s
             end_ns = time.time_ns()
-            emit_interval(tracer, worker_id, device_type, start_ns, end_ns)
+            emit_interval(tracer, worker_id, device_type, start_ns, end_ns, take())
             start_ns = end_ns
     except asyncio.CancelledError:
-        emit_interval(tracer, worker_id, device_type, start_ns, max(start_ns, time.time_ns()))
+        emit_interval(tracer, worker_id, device_type, start_ns, max(start_ns, time.time_ns()),
+                      take())
         raise

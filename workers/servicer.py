@@ -10,7 +10,6 @@ from llmmesh import queue, telemetry
 from llmmesh.errors import Aborted, DeadlineExceeded, Internal, InvalidArgument, NotFound, Unavailable
 from llmmesh.tokenizer import IncrementalDetokenizer
 from llmmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from workers.engine.async_engine import AsyncEngine
 from workers.engine.outputs import RequestUsage
 from workers.engine.sampling import SamplingParams
 
@@ -62,44 +61,49 @@ def _sampling(s: common_pb2.SamplingParams, stop_token_ids) -> SamplingParams:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, worker_id: str,
-                 device_type: str, quantization: str, tracer: trace.Tracer, results=None):
-        self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+    def __init__(self, host, worker_id: str, device_type: str, tracer: trace.Tracer,
+                 results=None):
+        # host: workers.hosting.ModelHost (or SingleModelHost): the models, loaded on demand.
+        self.host, self.engine = host, host.engine
         # Redis client (redis.asyncio) for requests that name a result stream; None: tokens
         # always travel in the gRPC stream.
         self.results = results
-        self.worker_id, self.device_type, self.quantization = worker_id, device_type, quantization
+        self.worker_id, self.device_type = worker_id, device_type
         self.tracer = tracer
         self.num_requests_total = 0
         self.num_prompt_tokens_total = 0
         self.num_cached_prompt_tokens_total = 0
 
     async def Generate(self, request, context):
-        if request.model != self.model_name:
-            raise NotFound(f"model {request.model!r} is not served by worker {self.worker_id}")
+        if request.model not in self.host.servable():
+            raise NotFound(f"model {request.model!r} is not served by worker {self.worker_id}; "
+                           f"it serves: {', '.join(self.host.servable())}")
         if not request.prompt_token_ids:
             raise InvalidArgument("prompt_token_ids", "must not be empty")
         if request.deadline_unix_ns and time.time_ns() >= request.deadline_unix_ns:
             raise DeadlineExceeded("deadline passed before the worker started the request")
-        sampling = _sampling(request.sampling, self.tokenizer.stop_token_ids)
-        self.num_requests_total += 1
         parent = telemetry.extract_context(dict(context.invocation_metadata() or ()))
         operation = request.operation or telemetry.TEXT_COMPLETION
-        with self.tracer.start_as_current_span(telemetry.span_name(operation, request.model),
-                                               context=parent, kind=trace.SpanKind.SERVER) as span:
-            span.set_attributes({telemetry.OPERATION: operation,
-                                 telemetry.PROVIDER: telemetry.PROVIDER_NAME,
-                                 telemetry.REQUEST_MODEL: request.model,
-                                 telemetry.TENANT_ID: request.tenant_id,
-                                 telemetry.REQUEST_ID: request.request_id,
-                                 telemetry.WORKER_ID: self.worker_id,
-                                 telemetry.DEVICE_TYPE: self.device_type,
-                                 telemetry.QUANTIZATION: self.quantization})
-            async for msg in self._stream(request, sampling, span):
-                yield msg
+        # Loads the model first when it is not loaded here (within the request's deadline).
+        async with self.host.use(request.model, request.deadline_unix_ns) as hosted:
+            sampling = _sampling(request.sampling, hosted.tokenizer.stop_token_ids)
+            self.num_requests_total += 1
+            with self.tracer.start_as_current_span(telemetry.span_name(operation, request.model),
+                                                   context=parent, kind=trace.SpanKind.SERVER) as span:
+                span.set_attributes({telemetry.OPERATION: operation,
+                                     telemetry.PROVIDER: telemetry.PROVIDER_NAME,
+                                     telemetry.REQUEST_MODEL: request.model,
+                                     telemetry.RESPONSE_MODEL: request.model,
+                                     telemetry.TENANT_ID: request.tenant_id,
+                                     telemetry.REQUEST_ID: request.request_id,
+                                     telemetry.WORKER_ID: self.worker_id,
+                                     telemetry.DEVICE_TYPE: self.device_type,
+                                     telemetry.QUANTIZATION: hosted.quantization})
+                async for msg in self._stream(request, sampling, span, hosted.tokenizer):
+                    yield msg
 
-    async def _stream(self, request, sampling, span):
-        matcher = StopStringMatcher(self.tokenizer, list(request.sampling.stop))
+    async def _stream(self, request, sampling, span, tokenizer):
+        matcher = StopStringMatcher(tokenizer, list(request.sampling.stop))
         index = request.start_index
         # Tokens go straight to the request's result stream when it names one (one hop less
         # per token than relaying them through the router).
@@ -115,7 +119,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             return
         priority = BATCH if request.request_class == common_pb2.REQUEST_CLASS_BATCH else INTERACTIVE
         outputs = self.engine.generate(request.request_id, list(request.prompt_token_ids), sampling,
-                                       priority=priority, cache_salt=request.cache_salt)
+                                       priority=priority, cache_salt=request.cache_salt,
+                                       model=request.model)
         ids: list[int] = []
         logprobs: list[float] = []
         oldest = 0.0
@@ -190,12 +195,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.AbortResponse(aborted=self.engine.abort(request.request_id))
 
     async def GetLoad(self, request, context):
-        load, info = self.engine.load(), self.engine.cache_info
+        """Totals over the loaded models, and each servable model's state (what routers place
+        by: loaded, loading or unloaded, its load and its measured cold start)."""
+        states = self.host.states()
+        loads = self.engine.loads()
+        loaded = [s for s in states if s.state == "loaded"]
+        first = loaded[0] if loaded else None
         return worker_pb2.GetLoadResponse(
-            num_running=load.num_running, num_waiting=load.num_waiting,
-            num_free_blocks=load.num_free_blocks, num_total_blocks=load.num_total_blocks,
-            block_size=load.block_size, models=[self.model_name], device_type=self.device_type,
-            quantization=self.quantization, context_length=info.max_model_len,
+            num_running=sum(x.num_running for x in loads.values()),
+            num_waiting=sum(x.num_waiting for x in loads.values()),
+            num_free_blocks=sum(x.num_free_blocks for x in loads.values()),
+            num_total_blocks=sum(x.num_total_blocks for x in loads.values()),
+            block_size=next(iter(loads.values())).block_size if loads else 0,
+            models=[s.name for s in loaded], device_type=self.device_type,
+            quantization=first.quantization if first else "",
+            context_length=first.context_length if first else 0,
             num_requests_total=self.num_requests_total,
             num_prompt_tokens_total=self.num_prompt_tokens_total,
-            num_cached_prompt_tokens_total=self.num_cached_prompt_tokens_total)
+            num_cached_prompt_tokens_total=self.num_cached_prompt_tokens_total,
+            model_states=states, memory_budget_bytes=self.host.memory_budget_bytes,
+            memory_used_bytes=self.host.used_bytes())

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from llmmesh.v1 import common_pb2 as llmmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18llmmesh/v1/gateway.proto\x12\nllmmesh.v1\x1a\x17llmmesh/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xce\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.llmmesh.v1.ChatMessage\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.llmmesh.v1.SamplingParams\x12/\n\rrequest_class\x18\x05 \x01(\x0e\x32\x18.llmmesh.v1.RequestClass\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"N\n\nTokenChunk\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\"\xa7\x01\n\rGenerateFinal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.llmmesh.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.llmmesh.v1.Usage\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12/\n\rrequest_class\x18\x04 \x01(\x0e\x32\x18.llmmesh.v1.RequestClass\"o\n\x10GenerateResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.llmmesh.v1.TokenChunkH\x00\x12*\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x19.llmmesh.v1.GenerateFinalH\x00\x42\x06\n\x04kind\"?\n\x0f\x43ompleteRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.llmmesh.v1.GenerateRequest\"]\n\x10\x43ompleteResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12(\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x19.llmmesh.v1.GenerateFinal\"\x13\n\x11ListModelsRequest\"G\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12\x14\n\x0cquantization\x18\x03 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.llmmesh.v1.ModelInfo\"Y\n\x12SubmitBatchRequest\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.llmmesh.v1.GenerateRequest\x12\x14\n\x0c\x64isplay_name\x18\x02 \x01(\t\"8\n\x13SubmitBatchResponse\x12!\n\x03job\x18\x01 \x01(\x0b\x32\x14.llmmesh.v1.BatchJob\"!\n\x0fGetBatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"+\n\x19StreamBatchResultsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"$\n\x12\x43\x61ncelBatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xfb\x01\n\x08\x42\x61tchJob\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0c\x64isplay_name\x18\x02 \x01(\t\x12\'\n\x06status\x18\x03 \x01(\x0e\x32\x17.llmmesh.v1.BatchStatus\x12\x14\n\x0cnum_requests\x18\x04 \x01(\x05\x12\x15\n\rnum_completed\x18\x05 \x01(\x05\x12\x12\n\nnum_failed\x18\x06 \x01(\x05\x12\x16\n\x0e\x63reated_unix_s\x18\x07 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\t \x01(\x03\x12\x15\n\rresults_ttl_s\x18\n \x01(\x03\"\xa6\x01\n\x0b\x42\x61tchResult\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12(\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x19.llmmesh.v1.GenerateFinal\x12\x12\n\nerror_code\x18\x06 \x01(\t\x12\x15\n\rerror_message\x18\x07 \x01(\t*}\n\x0b\x42\x61tchStatus\x12\x1c\n\x18\x42\x41TCH_STATUS_UNSPECIFIED\x10\x00\x12\x18\n\x14\x42\x41TCH_STATUS_RUNNING\x10\x01\x12\x1a\n\x16\x42\x41TCH_STATUS_COMPLETED\x10\x02\x12\x1a\n\x16\x42\x41TCH_STATUS_CANCELLED\x10\x03\x32\x99\x04\n\x0eGatewayService\x12G\n\x08Generate\x12\x1b.llmmesh.v1.GenerateRequest\x1a\x1c.llmmesh.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.llmmesh.v1.CompleteRequest\x1a\x1c.llmmesh.v1.CompleteResponse\x12K\n\nListModels\x12\x1d.llmmesh.v1.ListModelsRequest\x1a\x1e.llmmesh.v1.ListModelsResponse\x12N\n\x0bSubmitBatch\x12\x1e.llmmesh.v1.SubmitBatchRequest\x1a\x1f.llmmesh.v1.SubmitBatchResponse\x12=\n\x08GetBatch\x12\x1b.llmmesh.v1.GetBatchRequest\x1a\x14.llmmesh.v1.BatchJob\x12V\n\x12StreamBatchResults\x12%.llmmesh.v1.StreamBatchResultsRequest\x1a\x17.llmmesh.v1.BatchResult0\x01\x12\x43\n\x0b\x43\x61ncelBatch\x12\x1e.llmmesh.v1.CancelBatchRequest\x1a\x14.llmmesh.v1.BatchJobb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18llmmesh/v1/gateway.proto\x12\nllmmesh.v1\x1a\x17llmmesh/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xce\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.llmmesh.v1.ChatMessage\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.llmmesh.v1.SamplingParams\x12/\n\rrequest_class\x18\x05 \x01(\x0e\x32\x18.llmmesh.v1.RequestClass\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"N\n\nTokenChunk\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\"\xa7\x01\n\rGenerateFinal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.llmmesh.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.llmmesh.v1.Usage\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12/\n\rrequest_class\x18\x04 \x01(\x0e\x32\x18.llmmesh.v1.RequestClass\"o\n\x10GenerateResponse\x12\'\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x16.llmmesh.v1.TokenChunkH\x00\x12*\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x19.llmmesh.v1.GenerateFinalH\x00\x42\x06\n\x04kind\"?\n\x0f\x43ompleteRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.llmmesh.v1.GenerateRequest\"]\n\x10\x43ompleteResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12(\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x19.llmmesh.v1.GenerateFinal\"\x13\n\x11ListModelsRequest\"\x87\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12\x14\n\x0cquantization\x18\x03 \x01(\t\x12\r\n\x05state\x18\x04 \x01(\t\x12\x1a\n\x12num_workers_loaded\x18\x05 \x01(\x05\x12\x13\n\x0b\x64\x65scription\x18\x06 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.llmmesh.v1.ModelInfo\"Y\n\x12SubmitBatchRequest\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.llmmesh.v1.GenerateRequest\x12\x14\n\x0c\x64isplay_name\x18\x02 \x01(\t\"8\n\x13SubmitBatchResponse\x12!\n\x03job\x18\x01 \x01(\x0b\x32\x14.llmmesh.v1.BatchJob\"!\n\x0fGetBatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"+\n\x19StreamBatchResultsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"$\n\x12\x43\x61ncelBatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xfb\x01\n\x08\x42\x61tchJob\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x14\n\x0c\x64isplay_name\x18\x02 \x01(\t\x12\'\n\x06status\x18\x03 \x01(\x0e\x32\x17.llmmesh.v1.BatchStatus\x12\x14\n\x0cnum_requests\x18\x04 \x01(\x05\x12\x15\n\rnum_completed\x18\x05 \x01(\x05\x12\x12\n\nnum_failed\x18\x06 \x01(\x05\x12\x16\n\x0e\x63reated_unix_s\x18\x07 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\t \x01(\x03\x12\x15\n\rresults_ttl_s\x18\n \x01(\x03\"\xa6\x01\n\x0b\x42\x61tchResult\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12(\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x19.llmmesh.v1.GenerateFinal\x12\x12\n\nerror_code\x18\x06 \x01(\t\x12\x15\n\rerror_message\x18\x07 \x01(\t*}\n\x0b\x42\x61tchStatus\x12\x1c\n\x18\x42\x41TCH_STATUS_UNSPECIFIED\x10\x00\x12\x18\n\x14\x42\x41TCH_STATUS_RUNNING\x10\x01\x12\x1a\n\x16\x42\x41TCH_STATUS_COMPLETED\x10\x02\x12\x1a\n\x16\x42\x41TCH_STATUS_CANCELLED\x10\x03\x32\x99\x04\n\x0eGatewayService\x12G\n\x08Generate\x12\x1b.llmmesh.v1.GenerateRequest\x1a\x1c.llmmesh.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.llmmesh.v1.CompleteRequest\x1a\x1c.llmmesh.v1.CompleteResponse\x12K\n\nListModels\x12\x1d.llmmesh.v1.ListModelsRequest\x1a\x1e.llmmesh.v1.ListModelsResponse\x12N\n\x0bSubmitBatch\x12\x1e.llmmesh.v1.SubmitBatchRequest\x1a\x1f.llmmesh.v1.SubmitBatchResponse\x12=\n\x08GetBatch\x12\x1b.llmmesh.v1.GetBatchRequest\x1a\x14.llmmesh.v1.BatchJob\x12V\n\x12StreamBatchResults\x12%.llmmesh.v1.StreamBatchResultsRequest\x1a\x17.llmmesh.v1.BatchResult0\x01\x12\x43\n\x0b\x43\x61ncelBatch\x12\x1e.llmmesh.v1.CancelBatchRequest\x1a\x14.llmmesh.v1.BatchJobb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmmesh.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BATCHSTATUS']._serialized_start=1688
-  _globals['_BATCHSTATUS']._serialized_end=1813
+  _globals['_BATCHSTATUS']._serialized_start=1753
+  _globals['_BATCHSTATUS']._serialized_end=1878
   _globals['_CHATMESSAGE']._serialized_start=65
   _globals['_CHATMESSAGE']._serialized_end=109
   _globals['_GENERATEREQUEST']._serialized_start=112
@@ -50,24 +50,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPLETERESPONSE']._serialized_end=841
   _globals['_LISTMODELSREQUEST']._serialized_start=843
   _globals['_LISTMODELSREQUEST']._serialized_end=862
-  _globals['_MODELINFO']._serialized_start=864
-  _globals['_MODELINFO']._serialized_end=935
-  _globals['_LISTMODELSRESPONSE']._serialized_start=937
-  _globals['_LISTMODELSRESPONSE']._serialized_end=996
-  _globals['_SUBMITBATCHREQUEST']._serialized_start=998
-  _globals['_SUBMITBATCHREQUEST']._serialized_end=1087
-  _globals['_SUBMITBATCHRESPONSE']._serialized_start=1089
-  _globals['_SUBMITBATCHRESPONSE']._serialized_end=1145
-  _globals['_GETBATCHREQUEST']._serialized_start=1147
-  _globals['_GETBATCHREQUEST']._serialized_end=1180
-  _globals['_STREAMBATCHRESULTSREQUEST']._serialized_start=1182
-  _globals['_STREAMBATCHRESULTSREQUEST']._serialized_end=1225
-  _globals['_CANCELBATCHREQUEST']._serialized_start=1227
-  _globals['_CANCELBATCHREQUEST']._serialized_end=1263
-  _globals['_BATCHJOB']._serialized_start=1266
-  _globals['_BATCHJOB']._serialized_end=1517
-  _globals['_BATCHRESULT']._serialized_start=1520
-  _globals['_BATCHRESULT']._serialized_end=1686
-  _globals['_GATEWAYSERVICE']._serialized_start=1816
-  _globals['_GATEWAYSERVICE']._serialized_end=2353
+  _globals['_MODELINFO']._serialized_start=865
+  _globals['_MODELINFO']._serialized_end=1000
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1002
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1061
+  _globals['_SUBMITBATCHREQUEST']._serialized_start=1063
+  _globals['_SUBMITBATCHREQUEST']._serialized_end=1152
+  _globals['_SUBMITBATCHRESPONSE']._serialized_start=1154
+  _globals['_SUBMITBATCHRESPONSE']._serialized_end=1210
+  _globals['_GETBATCHREQUEST']._serialized_start=1212
+  _globals['_GETBATCHREQUEST']._serialized_end=1245
+  _globals['_STREAMBATCHRESULTSREQUEST']._serialized_start=1247
+  _globals['_STREAMBATCHRESULTSREQUEST']._serialized_end=1290
+  _globals['_CANCELBATCHREQUEST']._serialized_start=1292
+  _globals['_CANCELBATCHREQUEST']._serialized_end=1328
+  _globals['_BATCHJOB']._serialized_start=1331
+  _globals['_BATCHJOB']._serialized_end=1582
+  _globals['_BATCHRESULT']._serialized_start=1585
+  _globals['_BATCHRESULT']._serialized_end=1751
+  _globals['_GATEWAYSERVICE']._serialized_start=1881
+  _globals['_GATEWAYSERVICE']._serialized_end=2418
 # @@protoc_insertion_point(module_scope)

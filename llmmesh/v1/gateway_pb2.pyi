@@ -96,14 +96,20 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "context_length", "quantization")
+    __slots__ = ("name", "context_length", "quantization", "state", "num_workers_loaded", "description")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_LOADED_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     name: str
     context_length: int
     quantization: str
-    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., quantization: _Optional[str] = ...) -> None: ...
+    state: str
+    num_workers_loaded: int
+    description: str
+    def __init__(self, name: _Optional[str] = ..., context_length: _Optional[int] = ..., quantization: _Optional[str] = ..., state: _Optional[str] = ..., num_workers_loaded: _Optional[int] = ..., description: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

@@ -80,7 +80,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "models", "device_type", "quantization", "context_length", "num_requests_total", "num_cached_prompt_tokens_total", "num_prompt_tokens_total")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "models", "device_type", "quantization", "context_length", "num_requests_total", "num_cached_prompt_tokens_total", "num_prompt_tokens_total", "model_states", "memory_budget_bytes", "memory_used_bytes")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,9 @@ class GetLoadResponse(_message.Message):
     NUM_REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_STATES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -105,4 +108,33 @@ class GetLoadResponse(_message.Message):
     num_requests_total: int
     num_cached_prompt_tokens_total: int
     num_prompt_tokens_total: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., device_type: _Optional[str] = ..., quantization: _Optional[str] = ..., context_length: _Optional[int] = ..., num_requests_total: _Optional[int] = ..., num_cached_prompt_tokens_total: _Optional[int] = ..., num_prompt_tokens_total: _Optional[int] = ...) -> None: ...
+    model_states: _containers.RepeatedCompositeFieldContainer[ModelState]
+    memory_budget_bytes: int
+    memory_used_bytes: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., models: _Optional[_Iterable[str]] = ..., device_type: _Optional[str] = ..., quantization: _Optional[str] = ..., context_length: _Optional[int] = ..., num_requests_total: _Optional[int] = ..., num_cached_prompt_tokens_total: _Optional[int] = ..., num_prompt_tokens_total: _Optional[int] = ..., model_states: _Optional[_Iterable[_Union[ModelState, _Mapping]]] = ..., memory_budget_bytes: _Optional[int] = ..., memory_used_bytes: _Optional[int] = ...) -> None: ...
+
+class ModelState(_message.Message):
+    __slots__ = ("name", "state", "quantization", "num_running", "num_waiting", "context_length", "memory_bytes", "load_seconds", "pinned", "idle_seconds", "evictable")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EVICTABLE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    state: str
+    quantization: str
+    num_running: int
+    num_waiting: int
+    context_length: int
+    memory_bytes: int
+    load_seconds: float
+    pinned: bool
+    idle_seconds: float
+    evictable: bool
+    def __init__(self, name: _Optional[str] = ..., state: _Optional[str] = ..., quantization: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., context_length: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., load_seconds: _Optional[float] = ..., pinned: _Optional[bool] = ..., idle_seconds: _Optional[float] = ..., evictable: _Optional[bool] = ...) -> None: ...

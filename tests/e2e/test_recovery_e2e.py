@@ -15,7 +15,7 @@ from llmmesh import queue
 from llmmesh.errors import retry_delay_s
 from llmmesh.launcher import Mesh
 from llmmesh.models import resolve_model
-from llmmesh.prefix_hash import block_hashes
+from llmmesh.prefix_hash import block_hashes, cache_salt
 from llmmesh.tokenizer import Tokenizer
 from llmmesh.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.e2e.meshkit import DEMO_KEYS, StreamRecorder, auth, chat, tenants_file, wait_until, worker_load
@@ -87,7 +87,7 @@ def test_prefix_affinity_hits_for_the_same_tenant_only(mesh, stub):
     tok = Tokenizer.from_gguf(resolve_model().gguf_path)
     ids = tok.encode(tok.apply_chat_template([{"role": "system", "content": system},
                                               {"role": "user", "content": "Where is my parcel?"}]))
-    first_block = block_hashes(ids, 16, "scope:acme")[0]
+    first_block = block_hashes(ids, 16, cache_salt("acme", "smollm2-135m-instruct"))[0]
     client = redis.Redis.from_url(mesh.redis_url)
     holders = [w for w in ("worker0", "worker1")
                if client.sismember(queue.worker_cache_key(w), str(first_block))]

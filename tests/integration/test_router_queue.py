@@ -60,7 +60,8 @@ async def _with_worker(redis_url: str, body):
     await server.start()
     redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
     registry = WorkerRegistry(redis, MeshIdentity.from_env(Role.ROUTER))
-    registry._add({"worker_id": "w1", "address": f"127.0.0.1:{port}", "max_inflight": 8})
+    registry._add({"worker_id": "w1", "address": f"127.0.0.1:{port}", "max_inflight": 8,
+                   "models": [{"name": "m", "state": "loaded"}]})
     try:
         return await body(redis, registry, worker)
     finally:

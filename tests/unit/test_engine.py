@@ -234,7 +234,7 @@ def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(model, ref
     async def main():
         engine = AsyncEngine(engine_config(), model)
         await engine.start()
-        execute = engine._core.runner.execute
+        execute = engine.core.runner.execute
         calls = []
 
         def fail_once(scheduler_output):
@@ -243,7 +243,7 @@ def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(model, ref
                 raise RuntimeError("device fell over")
             return execute(scheduler_output)
 
-        engine._core.runner.execute = fail_once
+        engine.core.runner.execute = fail_once
         try:
             failed = await collect(engine, "a", [1, 2, 3])
             served = await collect(engine, "b", [4, 5, 6])

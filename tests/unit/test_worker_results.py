@@ -14,6 +14,7 @@ from llmmesh.errors import Aborted
 from llmmesh.v1 import common_pb2, worker_pb2
 from tests.unit.test_engine import engine_config, model  # noqa: F401 (fixture)
 from workers.engine import AsyncEngine
+from workers.hosting import SingleModelHost
 from workers.servicer import WorkerServicer
 
 
@@ -44,10 +45,10 @@ def _request(rid: str, stream: str = "", cls=common_pb2.REQUEST_CLASS_INTERACTIV
 
 def _run(model, redis_url: str, *requests):
     async def main():
-        engine = AsyncEngine(engine_config(), model)
+        engine = AsyncEngine(engine_config(), model, name="tiny")
         await engine.start()
         redis = aioredis.Redis.from_url(redis_url, decode_responses=True)
-        servicer = WorkerServicer(engine, _Tokenizer(), "tiny", "w0", "cpu", "fp32",
+        servicer = WorkerServicer(SingleModelHost(engine, _Tokenizer(), "tiny", "fp32"), "w0", "cpu",
                                   trace.get_tracer("test"), results=redis)
         out = []
         try:

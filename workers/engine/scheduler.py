@@ -106,9 +106,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def _new_batch(self) -> _StepBatch:
-        interactive = any(r.priority == Priority.INTERACTIVE for r in self.running) or any(
+    def has_interactive(self) -> bool:
+        return any(r.priority == Priority.INTERACTIVE for r in self.running) or any(
             r.priority == Priority.INTERACTIVE for r in self.waiting)
+
+    def _new_batch(self) -> _StepBatch:
+        interactive = self.has_interactive()
         guard = self.batch_tokens_with_interactive
         tokens = guard if guard and interactive else self.max_batch_tokens_per_step
         seconds = None
