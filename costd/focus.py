@@ -17,10 +17,12 @@ from costd.export import Column, Kind, Table
 SERVICE_NAME = "llmmesh"
 SERVICE_CATEGORY = "AI and Machine Learning"
 PROVIDER = "llmmesh"
+BILLING_ACCOUNT_NAME = "llmmesh inference platform"
 _HOURS_PER_NS = Decimal(1) / Decimal(3_600_000_000_000)
 
 FOCUS_COLUMNS = tuple(Column(name, kind) for name, kind in (
-    ("BillingAccountId", Kind.TEXT), ("BillingCurrency", Kind.TEXT),
+    ("BillingAccountId", Kind.TEXT), ("BillingAccountName", Kind.TEXT),
+    ("BillingCurrency", Kind.TEXT),
     ("BillingPeriodStart", Kind.TIME), ("BillingPeriodEnd", Kind.TIME),
     ("ChargePeriodStart", Kind.TIME), ("ChargePeriodEnd", Kind.TIME),
     ("ChargeCategory", Kind.TEXT), ("ChargeClass", Kind.TEXT),
@@ -33,6 +35,13 @@ FOCUS_COLUMNS = tuple(Column(name, kind) for name, kind in (
     ("ProviderName", Kind.TEXT), ("PublisherName", Kind.TEXT),
     ("InvoiceIssuerName", Kind.TEXT), ("ResourceId", Kind.TEXT),
     ("ResourceName", Kind.TEXT), ("ResourceType", Kind.TEXT), ("SkuId", Kind.TEXT),
+    # FOCUS 1.3+ names for the provider columns above (kept both ways for 1.0-1.2 readers).
+    ("HostProviderName", Kind.TEXT), ("ServiceProviderName", Kind.TEXT),
+    # We publish a price per device-hour: unit prices, the price's id, the meter.
+    ("ListUnitPrice", Kind.DECIMAL), ("ContractedUnitPrice", Kind.DECIMAL),
+    ("SkuPriceId", Kind.TEXT), ("SkuMeter", Kind.TEXT), ("SkuPriceDetails", Kind.JSON),
+    # Tenants are the sub accounts of the one billing account.
+    ("SubAccountId", Kind.TEXT), ("SubAccountName", Kind.TEXT),
     ("Tags", Kind.JSON), ("x_TenantId", Kind.TEXT), ("x_Model", Kind.TEXT),
     ("x_RequestClass", Kind.TEXT), ("x_TokenKind", Kind.TEXT),
     ("x_CachedTokens", Kind.INT), ("x_Requests", Kind.INT),
@@ -59,17 +68,29 @@ def _tags(line: CostLine) -> dict[str, str]:
     return {k: v for k, v in tags.items() if v}
 
 
+def _unit_price(cost: Decimal, device_ns: int) -> Decimal | None:
+    """Price per device-hour of the line: its cost over its exact device time (the book's
+    price, unless a price change falls inside the line's period: then their blend)."""
+    return (cost * 3_600_000_000_000 / device_ns).quantize(NANO) if device_ns else None
+
+
 def focus_row(statement: Statement, line: CostLine) -> tuple:
     hours = device_hours(line.device_ns)
     idle = line.token_kind is TokenKind.IDLE
     consumed, unit = (hours, "Hours") if idle else (Decimal(line.num_tokens), "Tokens")
+    price, list_price = _unit_price(line.cost, line.device_ns), _unit_price(line.list_cost, line.device_ns)
     return (
-        PROVIDER, statement.currency, statement.start_ns, statement.end_ns,
+        PROVIDER, BILLING_ACCOUNT_NAME, statement.currency, statement.start_ns, statement.end_ns,
         line.period_start_ns, line.period_end_ns, "Usage", None, describe(line),
         "Usage-Based", line.cost, line.cost, line.list_cost, line.cost,
         consumed, unit, hours, "Hours", SERVICE_NAME, SERVICE_CATEGORY, PROVIDER, PROVIDER,
         PROVIDER, f"llmmesh/device/{line.device}" if line.device else None,
         line.device or None, "Device" if line.device else None, line.device or None,
+        PROVIDER, PROVIDER, list_price, price,
+        f"{line.device}@{price}/h" if line.device and price is not None else None,
+        "Device time" if line.device else None,
+        {"device": line.device, "pricing_unit": "Hours"} if line.device else None,
+        line.tenant_id or None, line.tenant_id or None,
         _tags(line), line.tenant_id or None, line.model or None, line.request_class or None,
         line.token_kind.value, line.num_cached_tokens, line.num_requests,
         (Decimal(line.device_ns) / 1_000_000_000).quantize(NANO),
