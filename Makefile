@@ -1,7 +1,7 @@
 # llmmesh: `make up` runs the whole mesh, `make test` runs the tests. Each sets itself up.
 PY := .venv/bin/python
 
-.PHONY: up test test-fast venv protos clean bench bench-smoke bench-engine bench-scheduling bench-overhead bench-tls chaos
+.PHONY: up test test-fast venv protos clean bench bench-smoke bench-engine bench-scheduling bench-overhead bench-models bench-tls chaos
 
 venv:
 	@bash scripts/setup.sh
@@ -28,6 +28,11 @@ bench: venv bench-overhead
 # (~1 min); writes bench/results/overhead-paired.md.
 bench-overhead: venv
 	$(PY) -m bench.overhead
+
+# Two models sharing one worker's engine vs the busy one alone: TTFT p50/p95, cold start, RSS
+# freed by an unload (~3 min); writes bench/results/models.md.
+bench-models: venv
+	$(PY) -m bench.models $(BENCH_MODELS_ARGS)
 
 # Our engine per weight mode vs llama.cpp vs HF transformers (same run, same threads): ~15 min;
 # writes bench/results/engine.md + .png. BENCH_ENGINE_ARGS="--quick" for a ~2 min smoke run.
