@@ -7,9 +7,9 @@ one ModelHost, so both layouts run on the same cores with the same engine and st
   one after another, TTFT each (submit → first token);
 - shared: fp32 is loaded beside it and stays idle; the same N requests;
 
-in rounds alone, shared, alone, shared, ... (paired: drift on a shared host hits both). Each
-shared round starts with a cold load of fp32 (its cold-start seconds) and each alone round
-with its unload (the RSS it gave back). Writes bench/results/models.{md,json}.
+in paired rounds (drift on a shared host hits both), counterbalanced: even rounds measure
+alone first, odd ones shared first. Each round loads fp32 cold (its cold-start seconds) and
+unloads it after its shared half (the RSS it gave back). Writes bench/results/models.{md,json}.
 
 Not measured here: the layout with one worker per model (a second process on the same two
 cores halves each one's CPU, which says nothing about a real fleet) and $ per 1M tokens per
@@ -59,8 +59,10 @@ async def main(args) -> dict:
     rounds = []
     try:
         for r in range(args.rounds):
+            # Counterbalanced: even rounds measure alone first, odd rounds shared first, so
+            # neither layout always follows a cold load (seconds of full CPU) or an unload.
             before = rss_bytes()
-            alone = await ttfts(host, tok, args.requests, f"alone{r}")
+            alone = await ttfts(host, tok, args.requests, f"alone{r}") if r % 2 == 0 else None
             started = time.perf_counter()
             await host.ensure_loaded(SECOND, None)
             cold = time.perf_counter() - started
@@ -69,6 +71,8 @@ async def main(args) -> dict:
             h = host.hosted[SECOND]
             await host._unload(h, "bench")
             freed = loaded_rss - rss_bytes()
+            if alone is None:
+                alone = await ttfts(host, tok, args.requests, f"alone{r}")
             rounds.append({"alone": alone, "shared": shared, "cold_start_s": cold,
                            "second_model_bytes": h.memory_bytes, "rss_before": before,
                            "rss_loaded": loaded_rss, "rss_freed": freed})
