@@ -233,7 +233,8 @@ class AsyncEngine:
                 name = self._pick()
                 if name is not None:
                     outputs += self._step(self._active[name])
-                    self._loads = {**self._loads, name: self._active[name].load()}
+            # Every core's snapshot: commands (adds, aborts) change loads without a step.
+            self._loads = {n: core.load() for n, core in self._active.items()}
             self._publish(outputs)
             if stopping:
                 return
