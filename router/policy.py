@@ -87,25 +87,26 @@ def place(policy: Policy, entry: QueueEntry, available: list[WorkerHandle],
     start goes where the model fits without unloading anything, then where an idle model can
     make room, the least loaded first. None: wait (and ask again)."""
     model = entry.model
-    serving = [h for h in available if h.model_state(model) is not None]
-    warm = [h for h in serving if h.model_state(model) == "loaded"]
+    # One read of each worker's model table (built from its last GetLoad or lease).
+    served = {h: h.models().get(model) for h in available}
+    serving = [h for h, m in served.items() if m is not None]
+    warm = [h for h in serving if served[h][0] == "loaded"]
     if warm:
         return policy.select_worker(entry, warm)
-    loading = [h for h in serving if h.model_state(model) == "loading"]
+    loading = [h for h in serving if served[h][0] == "loading"]
     if loading:
         return min(loading, key=_load_ratio)
     if not serving:
         return None
     busy_warm = [h for h in fleet if h.healthy and h.model_state(model) in ("loaded", "loading")]
-    cold_s = min(h.models()[model][1] for h in serving)
-    if busy_warm and waited_s < cold_s:
+    if busy_warm and waited_s < min(served[h][1] for h in serving):
         return None
 
     def fit(h: WorkerHandle) -> tuple:
         free = h.free_memory_bytes
         room = 0 if free is None or free > 0 else 1
-        evictable = any(ev for _, (_, _, ev) in h.models().items())
-        return room, not evictable, _load_ratio(h), h.worker_id
+        evictable = any(ev for _, _, ev in h.models().values())
+        return room, not evictable, _load_ratio(h)
     return min(serving, key=fit)
 
 

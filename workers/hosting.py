@@ -93,6 +93,16 @@ class Hosted:
     estimated_bytes: int = 0       # before the first load: from the catalog or the GGUF
     ready: asyncio.Task | None = None
 
+    @contextlib.contextmanager
+    def held(self):
+        """Held against unloading while a request runs on it."""
+        self.in_flight += 1
+        try:
+            yield self
+        finally:
+            self.in_flight -= 1
+            self.last_used = time.monotonic()
+
     def idle_s(self, now: float) -> float:
         return 0.0 if self.in_flight else now - self.last_used
 
@@ -126,7 +136,7 @@ class ModelHost:
     def _hosted(self, name: str) -> Hosted:
         h = self.hosted.get(name)
         entry = self.catalog.current().models.get(name)
-        if name not in self.servable() or entry is None:
+        if entry is None or (self.serve is not None and name not in self.serve):
             if h is not None and h.state != UNLOADED:
                 return h          # removed from the catalog while loaded: serves what it has
             raise NotFound(f"model {name!r} is not served by this worker; it serves: "
@@ -161,7 +171,7 @@ class ModelHost:
     def estimate_load_s(self, h: Hosted) -> float:
         if h.load_s:
             return h.load_s
-        return _LOAD_S_BASE + _LOAD_S_PER_GIB * self.estimate_bytes(h) / 2**30
+        return _LOAD_S_BASE + _LOAD_S_PER_GIB * self._estimate_quietly(h) / 2**30
 
     def used_bytes(self) -> int:
         return sum(h.memory_bytes or self.estimate_bytes(h) for h in self.hosted.values()
@@ -179,13 +189,8 @@ class ModelHost:
     async def use(self, name: str, deadline_unix_ns: int = 0):
         """The model loaded (loading it first if need be, within the deadline) and held
         against unloading while the caller runs a request on it."""
-        h = await self.ensure_loaded(name, deadline_unix_ns)
-        h.in_flight += 1
-        try:
+        with (await self.ensure_loaded(name, deadline_unix_ns)).held() as h:
             yield h
-        finally:
-            h.in_flight -= 1
-            h.last_used = time.monotonic()
 
     async def ensure_loaded(self, name: str, deadline_unix_ns: int | None) -> Hosted:
         while True:
@@ -307,8 +312,7 @@ class ModelHost:
                 num_waiting=load.num_waiting if load else 0,
                 context_length=h.context_length if h.state == LOADED else 0,
                 memory_bytes=h.memory_bytes if h.state == LOADED else self._estimate_quietly(h),
-                load_seconds=h.load_s or _LOAD_S_BASE + _LOAD_S_PER_GIB
-                * self._estimate_quietly(h) / 2**30,
+                load_seconds=self.estimate_load_s(h),
                 pinned=h.entry.pinned, idle_seconds=h.idle_s(now), evictable=h.evictable(now)))
         return out
 
@@ -344,12 +348,8 @@ class SingleModelHost:
         if h is None:
             raise NotFound(f"model {name!r} is not served by this worker; it serves: "
                            f"{', '.join(self.hosted)}")
-        h.in_flight += 1
-        try:
+        with h.held():
             yield h
-        finally:
-            h.in_flight -= 1
-            h.last_used = time.monotonic()
 
     def used_bytes(self) -> int:
         return 0

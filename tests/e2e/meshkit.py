@@ -71,6 +71,18 @@ def worker_load(address: str) -> worker_pb2.GetLoadResponse:
         return worker_pb2_grpc.WorkerServiceStub(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=2)
 
 
+def ledger_rows(mesh, request_id: str, columns: str) -> list[tuple]:
+    """`columns` of the costd ledger rows whose id is `request_id`, or a mesh id made from it
+    (tenant/request_id/nonce)."""
+    import sqlite3
+    conn = sqlite3.connect(f"{mesh.var_dir}/ledger.sqlite")
+    try:
+        return conn.execute(f"SELECT {columns} FROM usage_records WHERE request_id = ? "
+                            "OR request_id LIKE ?", (request_id, f"%/{request_id}/%")).fetchall()
+    finally:
+        conn.close()
+
+
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, what: str = "condition"):
     deadline = time.monotonic() + timeout_s
     while True:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sqlite3
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -18,11 +17,12 @@ import pytest
 
 from llmmesh.launcher import Mesh
 from llmmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.e2e.meshkit import DEMO_KEYS, auth, wait_until, worker_load
+from tests.e2e.meshkit import DEMO_KEYS, auth, ledger_rows, wait_until, worker_load
 from tests.tiny_gguf import write_tiny_llama
 
 INT4, FP32, TINY = "smollm2-135m-instruct", "smollm2-135m-instruct-fp32", "tiny-llama"
 PROMPT = "Name three colours of the rainbow."
+BILL_COLUMNS = "model, prompt_tokens, completion_tokens"
 
 
 @pytest.fixture(scope="module")
@@ -98,16 +98,6 @@ def states(mesh, name: str) -> dict[str, str]:
     return {s.name: s.state for s in worker_load(mesh.procs[name].address).model_states}
 
 
-def ledger(mesh, request_id: str):
-    conn = sqlite3.connect(f"{mesh.var_dir}/ledger.sqlite")
-    try:
-        return conn.execute("SELECT model, prompt_tokens, completion_tokens FROM usage_records "
-                            "WHERE request_id = ? OR request_id LIKE ?",
-                            (request_id, f"%/{request_id}/%")).fetchall()
-    finally:
-        conn.close()
-
-
 def test_list_models_shows_the_catalog_with_live_state_and_the_format_served(mesh, stub):
     wait_until(lambda: {m.name: m.state for m in stub.ListModels(
         gateway_pb2.ListModelsRequest(), metadata=auth(DEMO_KEYS["acme"])).models}.get(INT4)
@@ -141,7 +131,8 @@ def test_each_model_answers_as_itself_and_is_billed_as_itself(mesh, stub):
     assert t_ids != a_ids and a_final.usage.prompt_tokens != t_final.usage.prompt_tokens
     assert cold_ttft > 5 * warm_ttft
     for final, model, ids in ((a_final, INT4, a_ids), (f_final, FP32, f_ids), (t_final, TINY, t_ids)):
-        rows = wait_until(lambda: ledger(mesh, final.request_id), 20, what=f"{model}'s bill")
+        rows = wait_until(lambda: ledger_rows(mesh, final.request_id, BILL_COLUMNS), 20,
+                          what=f"{model}'s bill")
         assert rows == [(model, final.usage.prompt_tokens, len(ids))]
 
 

@@ -5,7 +5,6 @@ take a real request's ledger key; a worker runs requests only for routers."""
 from __future__ import annotations
 
 import os
-import sqlite3
 import time
 import uuid
 
@@ -21,7 +20,7 @@ from llmmesh import billing, certs, mtls, queue
 from llmmesh.identity import Role, allowed_roles
 from llmmesh.mtls import MeshIdentity
 from llmmesh.v1 import common_pb2, gateway_pb2, worker_pb2, worker_pb2_grpc
-from tests.e2e.meshkit import DEMO_KEYS, auth, chat, wait_until
+from tests.e2e.meshkit import DEMO_KEYS, auth, chat, ledger_rows, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -164,14 +163,7 @@ def _forged_bill(request_id: str) -> trace_service_pb2.ExportTraceServiceRequest
 
 
 def _ledger_rows(mesh, request_id: str) -> list[tuple]:
-    """Rows whose id is `request_id`, or a mesh id made from it (tenant/request_id/nonce)."""
-    conn = sqlite3.connect(f"{mesh.var_dir}/ledger.sqlite")
-    try:
-        return conn.execute("SELECT tenant_id, prompt_tokens, completion_tokens FROM usage_records "
-                            "WHERE request_id = ? OR request_id LIKE ?",
-                            (request_id, f"%/{request_id}/%")).fetchall()
-    finally:
-        conn.close()
+    return ledger_rows(mesh, request_id, "tenant_id, prompt_tokens, completion_tokens")
 
 
 def test_forged_bills_bill_nothing_and_the_real_request_is_billed_once(mesh, gateway, stranger):

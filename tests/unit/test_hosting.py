@@ -36,6 +36,17 @@ def base() -> EngineConfig:
     return EngineConfig(calibrate=False, max_num_seqs=4, batch_nice=None)
 
 
+async def host_with_room_for_one(tmp_path, ggufs) -> ModelHost:
+    """A host serving `a` whose budget holds one model, not both (sizes measured by a load)."""
+    probe = ModelHost(catalog(tmp_path, ggufs), base())
+    await probe.start(["a", "b"])
+    one = max(h.memory_bytes for h in probe.hosted.values())
+    await probe.engine.shutdown()
+    host = ModelHost(catalog(tmp_path, ggufs), base(), memory_budget_bytes=int(one * 1.5))
+    await host.start(["a"])
+    return host
+
+
 async def run(host: ModelHost, model: str, rid: str, prompt=(5, 6, 7, 8), sampling=GREEDY):
     async with host.use(model) as hosted:
         tokens = []
@@ -64,12 +75,7 @@ def test_a_second_model_loads_on_first_use_and_each_answers_as_itself(tmp_path, 
 
 def test_a_budget_for_one_unloads_the_idle_model_and_reloads_it_on_demand(tmp_path, ggufs):
     async def main():
-        host = ModelHost(catalog(tmp_path, ggufs), base())
-        await host.start(["a", "b"])
-        one = max(h.memory_bytes for h in host.hosted.values())
-        await host.engine.shutdown()
-        host = ModelHost(catalog(tmp_path, ggufs), base(), memory_budget_bytes=int(one * 1.5))
-        await host.start(["a"])
+        host = await host_with_room_for_one(tmp_path, ggufs)
         try:
             _, a1 = await run(host, "a", "x1")
             await run(host, "b", "x2")
@@ -86,12 +92,7 @@ def test_a_budget_for_one_unloads_the_idle_model_and_reloads_it_on_demand(tmp_pa
 
 def test_a_running_request_is_never_cut_by_an_unload(tmp_path, ggufs):
     async def main():
-        host = ModelHost(catalog(tmp_path, ggufs), base())
-        await host.start(["a", "b"])
-        one = max(h.memory_bytes for h in host.hosted.values())
-        await host.engine.shutdown()
-        host = ModelHost(catalog(tmp_path, ggufs), base(), memory_budget_bytes=int(one * 1.5))
-        await host.start(["a"])
+        host = await host_with_room_for_one(tmp_path, ggufs)
         try:
             long = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
             running = asyncio.create_task(run(host, "a", "long", sampling=long))

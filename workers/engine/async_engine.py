@@ -11,7 +11,7 @@ from llmmesh.errors import AlreadyExists
 from workers.engine.config import CacheInfo, EngineConfig
 from workers.engine.engine_core import EngineCore
 from workers.engine.outputs import EngineLoad, RequestOutput
-from workers.engine.request import Priority, Request
+from workers.engine.request import Priority
 from workers.engine.sampling import SamplingParams
 from workers.model.llama import LlamaForCausalLM
 
@@ -99,8 +99,7 @@ class AsyncEngine:
     async def add_model(self, name: str, config: EngineConfig,
                         model: LlamaForCausalLM | None = None) -> EngineCore:
         """Load a model beside the running ones; requests may name it once this returns."""
-        if self._thread is None:
-            raise RuntimeError("engine not started: await start() first")
+        self._check_started()
         if name in self._cores:
             raise ValueError(f"model {name!r} is already hosted")
         core = await asyncio.to_thread(self._build_core, config, model)
@@ -180,16 +179,14 @@ class AsyncEngine:
         return self._started_core()
 
     def core_of(self, model: str) -> EngineCore:
-        if self._thread is None:
-            raise RuntimeError("engine not started: await start() first")
+        self._check_started()
         core = self._cores.get(model)
         if core is None:
             raise KeyError(f"model {model!r} is not loaded in this engine")
         return core
 
     def load(self, model: str | None = None) -> EngineLoad:
-        if self._thread is None:
-            raise RuntimeError("engine not started")
+        self._check_started()
         name = self.default_model if model is None else model
         load = self._loads.get(name)
         # A model attached since the step thread's last snapshot: read its core directly.
@@ -198,9 +195,12 @@ class AsyncEngine:
     def loads(self) -> dict[str, EngineLoad]:
         return {name: self.load(name) for name in self._cores}
 
-    def _started_core(self) -> EngineCore:
+    def _check_started(self) -> None:
         if self._thread is None:
             raise RuntimeError("engine not started: await start() first")
+
+    def _started_core(self) -> EngineCore:
+        self._check_started()
         core = self._cores.get(self.default_model)
         if core is None:   # the default model was removed: any hosted one stands for it
             core = next(iter(self._cores.values()), None)
