@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 import math
+from decimal import ROUND_HALF_EVEN, Decimal
 
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from costd.pipeline import PermanentError
+
+
+def seconds_to_ns(seconds: float) -> int:
+    """Exact (via Decimal) so the ledger's integer sums never depend on float rounding order."""
+    return int(Decimal(seconds).scaleb(9).to_integral_value(ROUND_HALF_EVEN))
 
 
 class MalformedUsage(PermanentError):

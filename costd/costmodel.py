@@ -3,13 +3,16 @@
 A request's cost is its attributed device time (the worker shares each engine step's wall time
 among the requests in it) × its device's price; the prompt line carries the prefill time, the
 completion line the decode time, so cached prompt tokens cost exactly the (little) time they
-used. Idle is what the fleet paid for and nobody used: capacity (worker uptime, from capacity
-reports) − attributed time, per device and charge period. By policy it is shown as unused
-capacity or shared among the period's tenants pro rata to their device time.
+used. Loading is the time workers spent loading models (from capacity reports), its own
+line. Idle is what the fleet paid for and nobody used: capacity (worker uptime, from capacity
+reports) − attributed time − loading, per device and charge period. By policy, idle and
+loading are shown as lines of no tenant or shared among the period's tenants pro rata to
+their device time.
 
 Exactness: per line, Σ ns × $/hour is summed exactly and divided once, rounded half-even to
-1e-9 of the currency; idle is capacity cost − Σ line costs, and pro-rata shares are split by
-largest remainder, so per device Σ tenants + unused idle = capacity × price exactly.
+1e-9 of the currency; loading is priced like a line; idle is capacity cost − Σ line costs − loading, and pro-rata
+shares are split by largest remainder, so per device Σ tenants + unused idle + loading =
+capacity × price exactly.
 Usage is placed in the hour its request ended; capacity intervals are split across hours.
 """
 from __future__ import annotations
@@ -34,6 +37,12 @@ class TokenKind(StrEnum):
     PROMPT = "prompt"
     COMPLETION = "completion"
     IDLE = "idle"
+    LOADING = "loading"   # device time spent loading models: capacity, not a request's
+
+    @property
+    def capacity(self) -> bool:
+        """A kind of capacity no request used (idle, loading), not a request's usage."""
+        return self in (TokenKind.IDLE, TokenKind.LOADING)
 
 
 class IdlePolicy(StrEnum):
@@ -78,10 +87,12 @@ class DeviceReconciliation:
     attributed_cost: Decimal
     idle_allocated_cost: Decimal
     idle_unallocated_cost: Decimal
+    loading_ns: int = 0
+    loading_cost: Decimal = Decimal(0)
 
     @property
     def idle_ns(self) -> int:
-        return self.capacity_ns - self.attributed_ns
+        return self.capacity_ns - self.attributed_ns - self.loading_ns
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +120,8 @@ class Statement:
 
     @property
     def unused_cost(self) -> Decimal:
-        return sum((d.idle_unallocated_cost for d in self.devices), Decimal(0))
+        """Capacity billed to no tenant: unused idle, and loading under the unused policy."""
+        return sum((line.cost for line in self.lines if not line.tenant_id), Decimal(0))
 
 
 class _Sum:
@@ -142,6 +154,7 @@ class _Builder:
         self.granularity = granularity
         self.usage: dict[tuple, _Sum] = defaultdict(_Sum)
         self.capacity: dict[tuple[int, int, str], _Sum] = defaultdict(_Sum)
+        self.loading: dict[tuple[int, int, str], _Sum] = defaultdict(_Sum)
         self.workers: dict[tuple[str, str], int] = defaultdict(int)
         self.warnings: dict[str, None] = {}  # ordered set
 
@@ -173,6 +186,8 @@ class _Builder:
         period = period_of(c.hour, self.start_ns, self.end_ns, self.granularity)
         device, price = self._priced(c.device_type, c.hour, c.device_ns)
         self.capacity[(*period, device)].add(0, 0, 0, c.device_ns, price)
+        if c.loading_ns:
+            self.loading[(*period, device)].add(0, 0, 0, c.loading_ns, price)
         self.workers[device, c.worker_id] += c.device_ns
 
     def usage_lines(self) -> list[CostLine]:
@@ -186,16 +201,45 @@ class _Builder:
                 for key in order]
 
 
+def _unattributed_lines(period_device: tuple[int, int, str], used: Sequence[CostLine],
+                        kind: TokenKind, ns: int, cost: Decimal, list_cost: Decimal,
+                        policy: IdlePolicy) -> list[CostLine]:
+    """Capacity no request used (idle or loading) of one device in one period: one line of
+    no tenant, or (pro rata) one share per tenant by device time."""
+    start_ns, end_ns, device = period_device
+    by_tenant: dict[str, int] = defaultdict(int)
+    for line in used:
+        by_tenant[line.tenant_id] += line.device_ns
+    tenants = sorted(by_tenant)
+    weights = [by_tenant[t] for t in tenants]
+    shares = split_amount(cost, weights, NANO) if policy is IdlePolicy.PRO_RATA else None
+    if shares is None:
+        return [CostLine(start_ns, end_ns, "", "", "", device, kind, 0, 0, 0,
+                         ns, cost, list_cost)]
+    list_shares = split_amount(list_cost, weights, NANO)
+    ns_shares = split_units(ns, weights)
+    return [CostLine(start_ns, end_ns, tenant, "", "", device, kind, 0, 0, 0,
+                     ns, share, list_share)
+            for tenant, share, list_share, ns in zip(tenants, shares, list_shares, ns_shares)]
+
+
 def _idle_lines(period_device: tuple[int, int, str], used: Sequence[CostLine],
-                capacity: _Sum | None, policy: IdlePolicy) -> tuple[list[CostLine], list[str]]:
-    """Idle lines of one device in one period, and warnings about them."""
+                capacity: _Sum | None, loading: _Sum | None,
+                policy: IdlePolicy) -> tuple[list[CostLine], list[str]]:
+    """Loading and idle lines of one device in one period, and warnings about them."""
     if capacity is None and all(line.cost == 0 and line.list_cost == 0 for line in used):
         return [], []  # unpriced or device-less usage: no money to reconcile
     capacity = capacity or _Sum()
     cost, list_cost = capacity.costs()
-    idle_cost = cost - sum((line.cost for line in used), Decimal(0))
-    idle_list = list_cost - sum((line.list_cost for line in used), Decimal(0))
-    idle_ns = capacity.ns - sum(line.device_ns for line in used)
+    lines: list[CostLine] = []
+    loading_cost = loading_list = Decimal(0)
+    if loading is not None and loading.ns:
+        loading_cost, loading_list = loading.costs()
+        lines = _unattributed_lines(period_device, used, TokenKind.LOADING, loading.ns,
+                                    loading_cost, loading_list, policy)
+    idle_cost = cost - sum((line.cost for line in used), Decimal(0)) - loading_cost
+    idle_list = list_cost - sum((line.list_cost for line in used), Decimal(0)) - loading_list
+    idle_ns = capacity.ns - sum(line.device_ns for line in used) - (loading.ns if loading else 0)
     start_ns, end_ns, device = period_device
     warnings = []
     if idle_ns < 0:
@@ -205,34 +249,24 @@ def _idle_lines(period_device: tuple[int, int, str], used: Sequence[CostLine],
                         "seconds over a busy device can show this; over hours, check that its "
                         "workers send capacity reports")
     if idle_ns == 0 and idle_cost == 0 and idle_list == 0:
-        return [], warnings
-    by_tenant: dict[str, int] = defaultdict(int)
-    for line in used:
-        by_tenant[line.tenant_id] += line.device_ns
-    tenants = sorted(by_tenant)
-    weights = [by_tenant[t] for t in tenants]
-    shares = split_amount(idle_cost, weights, NANO) if policy is IdlePolicy.PRO_RATA else None
-    if shares is None:
-        return [CostLine(start_ns, end_ns, "", "", "", device, TokenKind.IDLE, 0, 0, 0,
-                         idle_ns, idle_cost, idle_list)], warnings
-    list_shares = split_amount(idle_list, weights, NANO)
-    ns_shares = split_units(idle_ns, weights)
-    return [CostLine(start_ns, end_ns, tenant, "", "", device, TokenKind.IDLE, 0, 0, 0,
-                     ns, share, list_share)
-            for tenant, share, list_share, ns in zip(tenants, shares, list_shares, ns_shares)
-            ], warnings
+        return lines, warnings
+    return lines + _unattributed_lines(period_device, used, TokenKind.IDLE, idle_ns, idle_cost,
+                                       idle_list, policy), warnings
 
 
 def _reconcile(lines: Iterable[CostLine], capacity: dict[tuple[int, int, str], _Sum]
                ) -> tuple[DeviceReconciliation, ...]:
     totals: dict[str, list] = defaultdict(lambda: [0, 0, Decimal(0), Decimal(0), Decimal(0),
-                                                   Decimal(0)])
+                                                   Decimal(0), 0, Decimal(0)])
     for (_, _, device), total in capacity.items():
         totals[device][0] += total.ns
         totals[device][2] += total.costs()[0]
     for line in lines:
         entry = totals[line.device]
-        if line.token_kind is not TokenKind.IDLE:
+        if line.token_kind is TokenKind.LOADING:
+            entry[6] += line.device_ns
+            entry[7] += line.cost
+        elif line.token_kind is not TokenKind.IDLE:
             entry[1] += line.device_ns
             entry[3] += line.cost
         elif line.tenant_id:
@@ -262,7 +296,7 @@ def build_statement(usage: Iterable[UsageAggregate], capacity: Iterable[Capacity
     warnings = list(builder.warnings)
     for key in sorted(set(by_period_device) | set(builder.capacity)):
         idle, notes = _idle_lines(key, by_period_device.get(key, []),
-                                  builder.capacity.get(key), policy)
+                                  builder.capacity.get(key), builder.loading.get(key), policy)
         lines.extend(idle)
         warnings.extend(notes)
     return Statement(start_ns, end_ns, book.currency, granularity, policy, tuple(lines),

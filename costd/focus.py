@@ -58,6 +58,10 @@ def describe(line: CostLine) -> str:
         if line.tenant_id:
             return f"Share of idle {line.device} capacity (pro rata to device time)"
         return f"Unused {line.device} capacity"
+    if line.token_kind is TokenKind.LOADING:
+        if line.tenant_id:
+            return f"Share of {line.device} time spent loading models (pro rata to device time)"
+        return f"{line.device} time spent loading models"
     return (f"{line.model or 'unknown model'} {line.token_kind} tokens, "
             f"{line.request_class or 'unclassified'} class, on {line.device or 'no device'}")
 
@@ -76,8 +80,7 @@ def _unit_price(cost: Decimal, device_ns: int) -> Decimal | None:
 
 def focus_row(statement: Statement, line: CostLine) -> tuple:
     hours = device_hours(line.device_ns)
-    idle = line.token_kind is TokenKind.IDLE
-    consumed, unit = (hours, "Hours") if idle else (Decimal(line.num_tokens), "Tokens")
+    consumed, unit = (hours, "Hours") if line.token_kind.capacity else (Decimal(line.num_tokens), "Tokens")
     price, list_price = _unit_price(line.cost, line.device_ns), _unit_price(line.list_cost, line.device_ns)
     return (
         PROVIDER, BILLING_ACCOUNT_NAME, statement.currency, statement.start_ns, statement.end_ns,

@@ -32,7 +32,7 @@ class Invoice:
     start_ns: int
     end_ns: int
     currency: str
-    lines: tuple[CostLine, ...]  # usage lines, then idle shares (pro-rata policy only)
+    lines: tuple[CostLine, ...]  # usage lines, then idle and loading shares (pro-rata only)
 
     @property
     def num_requests(self) -> int:
@@ -62,6 +62,10 @@ class Invoice:
     @property
     def idle_cost(self) -> Decimal:
         return _cost(self.lines, TokenKind.IDLE)
+
+    @property
+    def loading_cost(self) -> Decimal:
+        return _cost(self.lines, TokenKind.LOADING)
 
     @property
     def total(self) -> Decimal:

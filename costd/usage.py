@@ -10,35 +10,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from decimal import ROUND_HALF_EVEN, Decimal
 
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from costd.attributes import MalformedUsage, SpanAttributes
+from costd.attributes import MalformedUsage, SpanAttributes, seconds_to_ns
 from costd.capacity import CapacityRecord, capacity_from_span
 from costd.pipeline import Consumer, Rejection
+from llmmesh import vocab
 
-FINAL = "llmmesh.usage.final"
-REQUEST_ID = "llmmesh.request.id"
-TENANT_ID = "llmmesh.tenant.id"
-MODEL = "gen_ai.request.model"
-REQUEST_CLASS = "llmmesh.request.class"
-INPUT_TOKENS = "gen_ai.usage.input_tokens"
-OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
-CACHED_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"
-PREFILL_DEVICE_S = "llmmesh.prefill.device_seconds"
-DECODE_DEVICE_S = "llmmesh.decode.device_seconds"
-DEVICE_TYPE = "llmmesh.device.type"
-WORKER_ID = "llmmesh.worker.id"
-FINISH_REASONS = "gen_ai.response.finish_reasons"
+FINAL = vocab.USAGE_FINAL
 
 
 __all__ = ["LedgerBatch", "MalformedUsage", "UsageProcessor", "UsageRecord", "record_from_span"]
-
-
-def seconds_to_ns(seconds: float) -> int:
-    """Exact (via Decimal) so the ledger's integer sums never depend on float rounding order."""
-    return int(Decimal(seconds).scaleb(9).to_integral_value(ROUND_HALF_EVEN))
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,26 +88,26 @@ def record_from_span(span: Span) -> UsageRecord | None:
         raise MalformedUsage("span has no end time")
     # Token counts have no default: a missing count would silently under-bill.
     return UsageRecord(
-        request_id=attrs.text(REQUEST_ID),
-        tenant_id=attrs.text(TENANT_ID),
-        model=attrs.text(MODEL, ""),
-        request_class=attrs.text(REQUEST_CLASS, ""),
-        num_prompt_tokens=attrs.count(INPUT_TOKENS),
-        num_cached_prompt_tokens=attrs.count(CACHED_INPUT_TOKENS, 0),
-        num_completion_tokens=attrs.count(OUTPUT_TOKENS),
+        request_id=attrs.text(vocab.REQUEST_ID),
+        tenant_id=attrs.text(vocab.TENANT_ID),
+        model=attrs.text(vocab.REQUEST_MODEL, ""),
+        request_class=attrs.text(vocab.REQUEST_CLASS, ""),
+        num_prompt_tokens=attrs.count(vocab.INPUT_TOKENS),
+        num_cached_prompt_tokens=attrs.count(vocab.CACHE_READ_TOKENS, 0),
+        num_completion_tokens=attrs.count(vocab.OUTPUT_TOKENS),
         # A request that never reached a worker has used no device time.
-        prefill_device_s=attrs.seconds(PREFILL_DEVICE_S, 0.0),
-        decode_device_s=attrs.seconds(DECODE_DEVICE_S, 0.0),
-        device_type=attrs.text(DEVICE_TYPE, ""),
-        worker_id=attrs.text(WORKER_ID, ""),
-        finish_reasons=attrs.texts(FINISH_REASONS),
+        prefill_device_s=attrs.seconds(vocab.PREFILL_DEVICE_S, 0.0),
+        decode_device_s=attrs.seconds(vocab.DECODE_DEVICE_S, 0.0),
+        device_type=attrs.text(vocab.DEVICE_TYPE, ""),
+        worker_id=attrs.text(vocab.WORKER_ID, ""),
+        finish_reasons=attrs.texts(vocab.FINISH_REASONS),
         end_unix_ns=span.end_time_unix_nano,
     )
 
 
 def _span_label(span: Span) -> str:
     label = f"span {span.span_id.hex() or '<no id>'}"
-    keys = {REQUEST_ID: "request", "llmmesh.capacity.interval.id": "interval"}
+    keys = {vocab.REQUEST_ID: "request", vocab.CAPACITY_INTERVAL_ID: "interval"}
     for kv in span.attributes:
         if kv.key in keys and kv.value.string_value:
             return f"{label} ({keys[kv.key]} {kv.value.string_value})"

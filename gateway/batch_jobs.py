@@ -19,6 +19,7 @@ from llmmesh import jobs, queue
 from llmmesh.admission import Reservation
 from llmmesh.admission import keys as admission_keys
 from llmmesh.errors import InvalidArgument, NotFound, ResourceExhausted
+from llmmesh.vocab import RequestClass
 
 MAX_REQUESTS_PER_JOB = 10_000
 _POLL_BLOCK_MS = 1000
@@ -40,7 +41,7 @@ class BatchJobs:
             tenant.check_model(item.model.name, item.model.allowed_tenants)
         job_id = uuid.uuid4().hex
         reservations = await self._reserve_budget(tenant, job_id, items)
-        stream = queue.queue_stream("batch")
+        stream = queue.queue_stream(RequestClass.BATCH)
         if await self.redis.xlen(stream) + len(items) > self.frontend.config.max_queue_len:
             raise ResourceExhausted("batch queue is full", retry_after_s=30.0)
         now = time.time()
@@ -52,7 +53,7 @@ class BatchJobs:
                 "results_ttl_s": self.results_ttl_s})
             pipe.expire(jobs.job_key(job_id), self.results_ttl_s)
             for i, item in enumerate(items):
-                entry = self.frontend.build_entry(tenant, item, "batch", 0)
+                entry = self.frontend.build_entry(tenant, item, RequestClass.BATCH, 0)
                 entry.request_id = f"{job_id}-{i}"
                 entry.job_id, entry.job_index = job_id, i
                 entry.reservation = reservations[i]

@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 from gateway.tenants import Tenant
 from gateway.textstream import TextStream
 from gateway.validation import ValidRequest
-from llmmesh import queue, telemetry
+from llmmesh import queue, telemetry, vocab
 from llmmesh.admission import ALREADY_USED, QUEUE_FULL, REFUSALS, Admission, Reservation
 from llmmesh.admission import keys as admission_keys
 from llmmesh.errors import (AlreadyExists, DeadlineExceeded, InvalidArgument, MeshError,
@@ -71,7 +71,7 @@ class Frontend:
         self.admission = Admission(redis)
         self.metrics = metrics    # gateway.metrics.GatewayMetrics, or None
         host, _, port = config.server_address.rpartition(":")
-        self._server = ({telemetry.SERVER_ADDRESS: host, telemetry.SERVER_PORT: int(port)}
+        self._server = ({vocab.SERVER_ADDRESS: host, vocab.SERVER_PORT: int(port)}
                         if port.isdigit() else {})
 
     async def generate(self, tenant: Tenant, req: ValidRequest, deadline_unix_ns: int, *,
@@ -113,11 +113,11 @@ class Frontend:
                                                kind=trace.SpanKind.SERVER) as span:
             entry = self.build_entry(tenant, req, request_class, deadline_unix_ns)
             span.set_attributes({
-                telemetry.OPERATION: req.operation, telemetry.PROVIDER: telemetry.PROVIDER_NAME,
-                telemetry.REQUEST_MODEL: req.model.name, **telemetry.request_attributes(req.sampling),
-                telemetry.RESPONSE_ID: entry.request_id,
-                telemetry.TENANT_ID: tenant.tenant_id, telemetry.REQUEST_ID: entry.request_id,
-                telemetry.CLIENT_REQUEST_ID: req.request_id, telemetry.REQUEST_CLASS: request_class,
+                vocab.OPERATION: req.operation, vocab.PROVIDER: vocab.PROVIDER_NAME,
+                vocab.REQUEST_MODEL: req.model.name, **telemetry.request_attributes(req.sampling),
+                vocab.RESPONSE_ID: entry.request_id,
+                vocab.TENANT_ID: tenant.tenant_id, vocab.REQUEST_ID: entry.request_id,
+                vocab.CLIENT_REQUEST_ID: req.request_id, vocab.REQUEST_CLASS: request_class,
                 **self._server, **(span_attributes or {})})
             try:
                 enqueue = asyncio.ensure_future(
@@ -137,19 +137,19 @@ class Frontend:
                 async for out in self._relay(req, entry.request_id, request_class, deadline_unix_ns):
                     if isinstance(out, FinalOut):
                         span.set_attributes({
-                            telemetry.RESPONSE_MODEL: req.model.name,
-                            telemetry.FINISH_REASONS: [out.finish_reason],
-                            telemetry.INPUT_TOKENS: out.usage.get("prompt_tokens", 0),
-                            telemetry.OUTPUT_TOKENS: out.usage.get("completion_tokens", 0)})
+                            vocab.RESPONSE_MODEL: req.model.name,
+                            vocab.FINISH_REASONS: [out.finish_reason],
+                            vocab.INPUT_TOKENS: out.usage.get("prompt_tokens", 0),
+                            vocab.OUTPUT_TOKENS: out.usage.get("completion_tokens", 0)})
                     yield out
             except RedisError as exc:
-                span.set_attribute(telemetry.ERROR_TYPE, "UNAVAILABLE")
+                span.set_attribute(vocab.ERROR_TYPE, "UNAVAILABLE")
                 raise Unavailable(f"queue store unavailable ({type(exc).__name__}); retry") from exc
             except MeshError as exc:
-                span.set_attribute(telemetry.ERROR_TYPE, exc.code.name)
+                span.set_attribute(vocab.ERROR_TYPE, exc.code.name)
                 raise
             except asyncio.CancelledError:
-                span.set_attribute(telemetry.ERROR_TYPE, "CANCELLED")
+                span.set_attribute(vocab.ERROR_TYPE, "CANCELLED")
                 raise
 
     async def _admit_and_enqueue(self, tenant: Tenant, req: ValidRequest, entry: queue.QueueEntry,

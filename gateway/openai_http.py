@@ -33,8 +33,10 @@ from gateway.tenants import Tenant, TenantBook
 from gateway.textstream import TextStream
 from gateway.models import describe, live_states
 from gateway.validation import ServedModel, ValidRequest, validate
+from llmmesh import vocab
 from llmmesh.errors import InvalidArgument, MeshError, NotFound, ResourceExhausted
 from llmmesh.v1 import common_pb2, gateway_pb2
+from llmmesh.vocab import CLASSES, FinishReason, RequestClass
 
 log = logging.getLogger("gateway.openai")
 
@@ -60,7 +62,7 @@ _HTTP = {
 _CODES = {401: "invalid_api_key", 403: "model_not_allowed", 404: "not_found",
           409: "request_id_in_use", 429: "rate_limit_exceeded", 503: "service_unavailable",
           504: "deadline_exceeded"}
-_FINISH = {"stop": "stop", "length": "length"}
+_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}  # OpenAI's words
 _INT32 = 2**31 - 1
 
 
@@ -280,16 +282,15 @@ def to_request(body, chat: bool, headers=None) -> tuple[gateway_pb2.GenerateRequ
     tier = _get(body, "service_tier", (str,), "a string")
     if tier not in (None, "auto", "default", "flex", "priority"):
         raise InvalidArgument("service_tier", f"must be auto, default, flex or priority, got {tier!r}")
-    req.request_class = {"flex": common_pb2.REQUEST_CLASS_BATCH,
-                         "priority": common_pb2.REQUEST_CLASS_INTERACTIVE}.get(
+    req.request_class = {"flex": RequestClass.BATCH.proto,
+                         "priority": RequestClass.INTERACTIVE.proto}.get(
                              tier, common_pb2.REQUEST_CLASS_UNSPECIFIED)
     header_class = headers.get(CLASS_HEADER)
     if header_class is not None:
-        classes = {"interactive": common_pb2.REQUEST_CLASS_INTERACTIVE,
-                   "batch": common_pb2.REQUEST_CLASS_BATCH}
-        if header_class not in classes:
-            raise InvalidArgument(CLASS_HEADER, f"must be interactive or batch, got {header_class!r}")
-        req.request_class = classes[header_class]
+        if header_class not in CLASSES:
+            raise InvalidArgument(CLASS_HEADER, f"must be one of {', '.join(CLASSES)}, "
+                                                f"got {header_class!r}")
+        req.request_class = RequestClass(header_class).proto
     req.request_id = headers.get(CLIENT_ID_HEADER, "")
     return req, opts
 
@@ -332,7 +333,7 @@ def usage_body(usage: dict) -> dict:
 
 
 def _tier(request_class: str) -> str:
-    return "flex" if request_class == "batch" else "default"
+    return "flex" if request_class == RequestClass.BATCH else "default"
 
 
 class Shape:
@@ -422,9 +423,9 @@ class Generation:
         self.request_id = ""
 
     def _events(self):
-        attrs = {"llmmesh.http.route": "/v1/chat/completions" if self.opts.chat else "/v1/completions"}
+        attrs = {vocab.HTTP_ROUTE: "/v1/chat/completions" if self.opts.chat else "/v1/completions"}
         if self.opts.user:
-            attrs["llmmesh.end_user"] = self.opts.user[:128]
+            attrs[vocab.END_USER] = self.opts.user[:128]
         return self.frontend.generate(self.tenant, self.valid, self.deadline, announce=True,
                                       span_attributes=attrs)
 

@@ -10,17 +10,15 @@ from gateway.models import describe, live_states
 from gateway.validation import ServedModel, validate
 from llmmesh.errors import InvalidArgument
 from llmmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from llmmesh.vocab import FinishReason, RequestClass
 
-_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
-           "abort": common_pb2.FINISH_REASON_CANCELLED, "cancelled": common_pb2.FINISH_REASON_CANCELLED}
-_CLASS = {"interactive": common_pb2.REQUEST_CLASS_INTERACTIVE, "batch": common_pb2.REQUEST_CLASS_BATCH}
 
 
 def _final_proto(out: FinalOut) -> gateway_pb2.GenerateFinal:
     u = out.usage
     return gateway_pb2.GenerateFinal(
-        finish_reason=_FINISH.get(out.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED),
-        request_id=out.request_id, request_class=_CLASS[out.request_class],
+        finish_reason=FinishReason.of(out.finish_reason).proto,
+        request_id=out.request_id, request_class=RequestClass(out.request_class).proto,
         usage=common_pb2.Usage(
             prompt_tokens=u.get("prompt_tokens", 0), cached_prompt_tokens=u.get("cached_prompt_tokens", 0),
             completion_tokens=u.get("completion_tokens", 0),
@@ -116,5 +114,5 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 error_code=r["error_code"], error_message=r["error_message"])
             if not r["error_code"]:
                 result.final.CopyFrom(_final_proto(FinalOut(
-                    r["request_id"], "batch", r["finish_reason"], r["usage"])))
+                    r["request_id"], RequestClass.BATCH, r["finish_reason"], r["usage"])))
             yield result

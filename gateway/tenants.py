@@ -13,7 +13,7 @@ from datetime import datetime, timedelta, timezone
 
 from llmmesh.config_file import ConfigFileError, WatchedFile, failure
 from llmmesh.errors import PermissionDenied, Unauthenticated
-from llmmesh.queue import CLASSES
+from llmmesh.vocab import CLASSES, RequestClass
 
 
 _PERIODS = ("none", "day", "month")
@@ -60,7 +60,7 @@ class Tenant:
 
     def cap_class(self, requested: str) -> str:
         """The requested class if the plan allows it, else batch (the class every plan has)."""
-        return requested if requested in self.allowed_classes else "batch"
+        return requested if requested in self.allowed_classes else RequestClass.BATCH
 
     def check_model(self, model: str, catalog_tenants: tuple[str, ...] = ()) -> None:
         """PermissionDenied unless the tenant may use `model` (a class is capped; a model is not:

@@ -5,18 +5,15 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from llmmesh import vocab
 from llmmesh.errors import InvalidArgument, NotFound
 from llmmesh.v1 import common_pb2, gateway_pb2
+from llmmesh.vocab import RequestClass
 
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_STRINGS = 4
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _ROLES = ("system", "user", "assistant")
-CLASS_NAMES = {
-    common_pb2.REQUEST_CLASS_UNSPECIFIED: "interactive",  # documented default
-    common_pb2.REQUEST_CLASS_INTERACTIVE: "interactive",
-    common_pb2.REQUEST_CLASS_BATCH: "batch",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +78,10 @@ def _sampling(s: common_pb2.SamplingParams, num_prompt: int, context: int) -> di
 def validate(req: gateway_pb2.GenerateRequest, models: dict[str, ServedModel],
              default_model: str) -> ValidRequest:
     """Check every field and tokenize; raises InvalidArgument / NotFound."""
-    if req.request_class not in CLASS_NAMES:
-        raise InvalidArgument("request_class", f"unknown value {req.request_class}")
+    try:
+        requested_class = RequestClass.from_proto(req.request_class)
+    except ValueError:
+        raise InvalidArgument("request_class", f"unknown value {req.request_class}") from None
     if req.request_id and not _REQUEST_ID.match(req.request_id):
         raise InvalidArgument("request_id", "1-128 characters of [A-Za-z0-9._:-]")
     name = req.model or default_model
@@ -101,5 +100,5 @@ def validate(req: gateway_pb2.GenerateRequest, models: dict[str, ServedModel],
     sampling = _sampling(req.sampling, len(token_ids), model.context_length)
     return ValidRequest(request_id=req.request_id or uuid.uuid4().hex, model=model,
                         prompt_token_ids=token_ids, sampling=sampling,
-                        requested_class=CLASS_NAMES[req.request_class],
-                        operation="chat" if req.messages else "text_completion")
+                        requested_class=requested_class,
+                        operation=vocab.CHAT if req.messages else vocab.TEXT_COMPLETION)

@@ -17,7 +17,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from llmmesh import queue, telemetry
+from llmmesh import queue, vocab
 
 BILLING_STREAM = f"{queue.PREFIX}:billing"
 SHIPPER_GROUP = "shippers"
@@ -26,21 +26,21 @@ SPAN_NAME = "router bill"
 
 def record_attributes(*, request_id: str, tenant_id: str, model: str, request_class: str,
                       usage: dict[str, Any], finish_reason: str, device_type: str,
-                      worker_ids: list[str], operation: str = "text_completion") -> dict[str, Any]:
+                      worker_ids: list[str], operation: str = vocab.TEXT_COMPLETION) -> dict[str, Any]:
     """The billing span's attributes (GenAI conventions, then ours), as costd reads them."""
     return {
-        telemetry.USAGE_FINAL: True, telemetry.REQUEST_ID: request_id,
-        telemetry.TENANT_ID: tenant_id, telemetry.REQUEST_MODEL: model,
-        telemetry.REQUEST_CLASS: request_class, telemetry.OPERATION: operation,
-        telemetry.PROVIDER: telemetry.PROVIDER_NAME,
-        telemetry.INPUT_TOKENS: int(usage["prompt_tokens"]),
-        telemetry.OUTPUT_TOKENS: int(usage["completion_tokens"]),
-        telemetry.CACHE_READ_TOKENS: int(usage["cached_prompt_tokens"]),
-        telemetry.PREFILL_DEVICE_S: float(usage["prefill_device_s"]),
-        telemetry.DECODE_DEVICE_S: float(usage["decode_device_s"]),
-        telemetry.QUEUE_S: float(usage.get("queue_s", 0.0)),
-        telemetry.DEVICE_TYPE: device_type, telemetry.WORKER_ID: ",".join(worker_ids),
-        telemetry.FINISH_REASONS: [finish_reason]}
+        vocab.USAGE_FINAL: True, vocab.REQUEST_ID: request_id,
+        vocab.TENANT_ID: tenant_id, vocab.REQUEST_MODEL: model,
+        vocab.REQUEST_CLASS: request_class, vocab.OPERATION: operation,
+        vocab.PROVIDER: vocab.PROVIDER_NAME,
+        vocab.INPUT_TOKENS: int(usage["prompt_tokens"]),
+        vocab.OUTPUT_TOKENS: int(usage["completion_tokens"]),
+        vocab.CACHE_READ_TOKENS: int(usage["cached_prompt_tokens"]),
+        vocab.PREFILL_DEVICE_S: float(usage["prefill_device_s"]),
+        vocab.DECODE_DEVICE_S: float(usage["decode_device_s"]),
+        vocab.QUEUE_S: float(usage.get("queue_s", 0.0)),
+        vocab.DEVICE_TYPE: device_type, vocab.WORKER_ID: ",".join(worker_ids),
+        vocab.FINISH_REASONS: [finish_reason]}
 
 
 def encode_record(attributes: dict[str, Any], *, start_unix_ns: int, end_unix_ns: int,

@@ -21,7 +21,7 @@ import os
 from opentelemetry.semconv._incubating.metrics import gen_ai_metrics as semconv
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, start_http_server
 
-from llmmesh.telemetry import PROVIDER_NAME
+from llmmesh.vocab import PROVIDER_NAME
 
 log = logging.getLogger("llmmesh.metrics")
 # No `_created` series beside every counter and histogram: Prometheus does not need them, and

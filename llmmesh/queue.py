@@ -13,8 +13,9 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from llmmesh.vocab import CLASSES
+
 PREFIX = "llmmesh"
-CLASSES = ("interactive", "batch")
 ROUTER_GROUP = "routers"
 DEAD_LETTER_STREAM = f"{PREFIX}:q:dead"
 # The dead-letter stream keeps about this many records (XADD MAXLEN ~): an operator's view of

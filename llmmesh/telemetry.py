@@ -9,49 +9,14 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as genai
-from opentelemetry.semconv.attributes import error_attributes, server_attributes
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from llmmesh.identity import Role
 from llmmesh.mtls import MeshIdentity, channel_credentials, channel_options
+from llmmesh.vocab import (REQUEST_MAX_TOKENS, REQUEST_SEED, REQUEST_STOP_SEQUENCES,
+                           REQUEST_TEMPERATURE, REQUEST_TOP_K, REQUEST_TOP_P)
 
 _PROPAGATOR = TraceContextTextMapPropagator()
-
-# Attribute names: the OTel GenAI semantic conventions (from the conventions package), then
-# ours under llmmesh.*.
-OPERATION = genai.GEN_AI_OPERATION_NAME
-PROVIDER = genai.GEN_AI_PROVIDER_NAME
-REQUEST_MODEL = genai.GEN_AI_REQUEST_MODEL
-REQUEST_MAX_TOKENS = genai.GEN_AI_REQUEST_MAX_TOKENS
-REQUEST_TEMPERATURE = genai.GEN_AI_REQUEST_TEMPERATURE
-REQUEST_TOP_P = genai.GEN_AI_REQUEST_TOP_P
-REQUEST_TOP_K = genai.GEN_AI_REQUEST_TOP_K
-REQUEST_SEED = genai.GEN_AI_REQUEST_SEED
-REQUEST_STOP_SEQUENCES = genai.GEN_AI_REQUEST_STOP_SEQUENCES
-RESPONSE_ID = genai.GEN_AI_RESPONSE_ID
-RESPONSE_MODEL = genai.GEN_AI_RESPONSE_MODEL
-INPUT_TOKENS = genai.GEN_AI_USAGE_INPUT_TOKENS
-OUTPUT_TOKENS = genai.GEN_AI_USAGE_OUTPUT_TOKENS
-CACHE_READ_TOKENS = genai.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS
-FINISH_REASONS = genai.GEN_AI_RESPONSE_FINISH_REASONS
-SERVER_ADDRESS = server_attributes.SERVER_ADDRESS
-SERVER_PORT = server_attributes.SERVER_PORT
-ERROR_TYPE = error_attributes.ERROR_TYPE
-PROVIDER_NAME = "llmmesh"   # gen_ai.provider.name: the mesh serves its own models
-CHAT = genai.GenAiOperationNameValues.CHAT.value
-TEXT_COMPLETION = genai.GenAiOperationNameValues.TEXT_COMPLETION.value
-TENANT_ID = "llmmesh.tenant.id"
-REQUEST_ID = "llmmesh.request.id"  # the mesh's own id: tenant/client id/nonce
-CLIENT_REQUEST_ID = "llmmesh.request.client_id"  # the id the client sent (or was given)
-REQUEST_CLASS = "llmmesh.request.class"
-DEVICE_TYPE = "llmmesh.device.type"
-WORKER_ID = "llmmesh.worker.id"
-PREFILL_DEVICE_S = "llmmesh.prefill.device_seconds"
-DECODE_DEVICE_S = "llmmesh.decode.device_seconds"
-QUEUE_S = "llmmesh.queue.seconds"  # enqueue to the request's first engine step
-QUANTIZATION = "llmmesh.quantization"
-USAGE_FINAL = "llmmesh.usage.final"  # set on exactly one span per request: the billing record
 
 _provider: TracerProvider | None = None
 

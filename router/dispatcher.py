@@ -16,10 +16,11 @@ import redis.asyncio as aioredis
 from opentelemetry import trace
 from redis.exceptions import RedisError, ResponseError
 
-from llmmesh import billing, queue, telemetry
+from llmmesh import billing, queue, telemetry, vocab
 from llmmesh.admission import Admission, Reservation
 from llmmesh.jobs import JobResults
 from llmmesh.v1 import worker_pb2
+from llmmesh.vocab import CLASSES, FinishReason, RequestClass
 from router.fairness import ClassPolicy, ClassScheduler
 from router.policy import Policy, place
 from router.registry import WorkerHandle, WorkerRegistry
@@ -80,7 +81,7 @@ class Dispatcher:
         self.metrics = None   # router.metrics.RouterMetrics, or None
 
     async def ensure_groups(self) -> None:
-        for cls in queue.CLASSES:
+        for cls in CLASSES:
             with contextlib.suppress(ResponseError):  # BUSYGROUP: it exists already
                 await self.redis.xgroup_create(queue.queue_stream(cls), queue.ROUTER_GROUP,
                                                id="0", mkstream=True)
@@ -125,7 +126,7 @@ class Dispatcher:
             block = min(self.config.block_ms, HELD_RECHECK_MS)
         else:
             block = self.config.block_ms
-        streams = {queue.queue_stream(c): ">" for c in queue.CLASSES}
+        streams = {queue.queue_stream(c): ">" for c in CLASSES}
         reply = await self.redis.xreadgroup(queue.ROUTER_GROUP, self.config.consumer, streams,
                                             count=room, block=block)
         for stream, entries in reply or ():
@@ -175,7 +176,7 @@ class Dispatcher:
     def _start(self, held: Held) -> None:
         rid = held.progress.entry.request_id
         self.running[rid] = held
-        if held.request_class == "batch":
+        if held.request_class == RequestClass.BATCH:
             self._batch_inflight += 1
         task = asyncio.create_task(self._serve(held.request_class, held.entry_id, held.progress,
                                                held.fresh))
@@ -183,7 +184,7 @@ class Dispatcher:
         def done(_):
             self.running.pop(rid, None)
             self.held.pop((held.request_class, held.entry_id), None)
-            if held.request_class == "batch":
+            if held.request_class == RequestClass.BATCH:
                 self._batch_inflight -= 1
             self._slot_freed.set()
         task.add_done_callback(done)
@@ -191,7 +192,7 @@ class Dispatcher:
     async def _serve(self, cls: str, entry_id: str, p: RequestProgress, fresh: bool = False) -> None:
         e = p.entry
         early_check = None
-        if fresh and cls == "interactive":
+        if fresh and cls == RequestClass.INTERACTIVE:
             # Nothing to recover, and the client-went-away check need not hold up the first
             # token: it runs beside the worker call (one Redis round trip off the TTFT path).
             # Batch keeps checking first: a cancelled job's queued requests must not start.
@@ -229,7 +230,7 @@ class Dispatcher:
                 outcome = {"finish_reason": reason, "usage": p.usage()}
             except RequestFailed as exc:
                 span.set_status(trace.StatusCode.ERROR, exc.message)
-                span.set_attribute(telemetry.ERROR_TYPE, exc.code)
+                span.set_attribute(vocab.ERROR_TYPE, exc.code)
                 await self.redis.xadd(queue.result_stream(e.request_id),
                                       queue.error_event(exc.code, exc.message))
                 # Workers append to the stream themselves: after the error event nothing more
@@ -253,7 +254,7 @@ class Dispatcher:
             self.metrics.ended(e.request_class, outcome.get("error_code", ""))
         await self.redis.expire(queue.result_stream(e.request_id), queue.RESULT_TTL_S)
         if e.job_id:
-            if outcome.get("finish_reason") in ("cancelled", "abort"):
+            if outcome.get("finish_reason") == FinishReason.CANCELLED:
                 # Cancelled while it ran: a failed item of its job (BatchJob.num_failed counts
                 # cancelled ones), not a completion; its tokens stay in the result and in the
                 # job's totals, since they are billed.
@@ -362,7 +363,7 @@ class Dispatcher:
             await asyncio.sleep(self.config.heartbeat_s)
 
     async def _heartbeat_and_claim(self) -> None:
-        for cls in queue.CLASSES:
+        for cls in CLASSES:
             stream = queue.queue_stream(cls)
             mine = [h.entry_id for h in self.held.values() if h.request_class == cls]
             if mine:  # XCLAIM to ourselves resets the idle clock other routers watch

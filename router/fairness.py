@@ -9,6 +9,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from llmmesh.vocab import RequestClass
+
 T = TypeVar("T")
 
 
@@ -73,7 +75,8 @@ class ClassPolicy:
 class ClassScheduler(Generic[T]):
     def __init__(self, policy: ClassPolicy = ClassPolicy(), quantum: int = 512):
         self.policy = policy
-        self.queues = {"interactive": DeficitRoundRobin[T](quantum), "batch": DeficitRoundRobin[T](quantum)}
+        # One tenant-fair queue per class, in priority order (llmmesh.vocab.RequestClass).
+        self.queues = {c: DeficitRoundRobin[T](quantum) for c in RequestClass}
         self._recent: deque[str] = deque(maxlen=policy.window)
 
     def __len__(self) -> int:
@@ -85,7 +88,7 @@ class ClassScheduler(Generic[T]):
     def _batch_starved(self) -> bool:
         if not self._recent:
             return False
-        return self._recent.count("batch") / len(self._recent) < self.policy.batch_min_share
+        return self._recent.count(RequestClass.BATCH) / len(self._recent) < self.policy.batch_min_share
 
     def _batch_room(self, total_slots: int, batch_inflight: int) -> bool:
         return batch_inflight < self.policy.batch_max_slot_share * total_slots
@@ -94,19 +97,21 @@ class ClassScheduler(Generic[T]):
         """Whether pop would hand out something now."""
         if free_slots <= 0:
             return False
-        return bool(len(self.queues["interactive"]) or (
-            len(self.queues["batch"]) and self._batch_room(total_slots, batch_inflight)))
+        batch_room = self._batch_room(total_slots, batch_inflight)
+        return any(len(q) and (c != RequestClass.BATCH or batch_room)
+                   for c, q in self.queues.items())
 
     def pop(self, free_slots: int, total_slots: int, batch_inflight: int) -> tuple[str, T] | None:
         """Next (class, item) to dispatch given the fleet's slots, or None."""
         if free_slots <= 0:
             return None
         batch_room = self._batch_room(total_slots, batch_inflight)
-        order = ["interactive", "batch"]
-        if len(self.queues["batch"]) and batch_room and self._batch_starved():
-            order = ["batch", "interactive"]
+        order = list(self.queues)
+        if len(self.queues[RequestClass.BATCH]) and batch_room and self._batch_starved():
+            order.remove(RequestClass.BATCH)
+            order.insert(0, RequestClass.BATCH)   # its guaranteed share comes first
         for cls in order:
-            if cls == "batch" and not batch_room:
+            if cls == RequestClass.BATCH and not batch_room:
                 continue
             item = self.queues[cls].pop()
             if item is not None:

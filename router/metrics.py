@@ -11,6 +11,7 @@ from prometheus_client.core import GaugeMetricFamily
 from redis.exceptions import RedisError
 
 from llmmesh import queue
+from llmmesh.vocab import CLASSES
 from llmmesh.metrics import TTFT_BUCKETS
 from router.breaker import CircuitState
 
@@ -43,7 +44,7 @@ class RouterMetrics:
         """A supervised loop: what each class's stream holds, once a second."""
         while True:
             now_ms = time.time() * 1000
-            for cls in queue.CLASSES:
+            for cls in CLASSES:
                 stream = queue.queue_stream(cls)
                 try:
                     depth = await self.redis.xlen(stream)

@@ -17,8 +17,9 @@ import grpc
 import redis.asyncio as aioredis
 from opentelemetry import trace
 
-from llmmesh import billing, queue, telemetry
+from llmmesh import billing, queue, telemetry, vocab
 from llmmesh.v1 import common_pb2, worker_pb2
+from llmmesh.vocab import FinishReason, RequestClass
 from router.registry import WorkerHandle
 
 log = logging.getLogger("router.relay")
@@ -26,9 +27,6 @@ log = logging.getLogger("router.relay")
 MAX_ATTEMPTS = 3
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
               grpc.StatusCode.ABORTED}
-_FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-           common_pb2.FINISH_REASON_CANCELLED: "cancelled"}
-_CLASS = {"interactive": common_pb2.REQUEST_CLASS_INTERACTIVE, "batch": common_pb2.REQUEST_CLASS_BATCH}
 
 
 class RequestFailed(Exception):
@@ -96,7 +94,7 @@ def apply_stream_state(p: RequestProgress, delivered: list[int], end: dict | Non
             p.cached_prompt_tokens = min(u.get("cached_prompt_tokens", 0),
                                          len(p.entry.prompt_token_ids))
     elif len(delivered) >= p.entry.sampling["max_tokens"]:
-        p.end_reason = "length"
+        p.end_reason = FinishReason.LENGTH
 
 
 async def sync_delivered(p: RequestProgress, redis: aioredis.Redis) -> None:
@@ -115,7 +113,7 @@ def worker_request(p: RequestProgress) -> worker_pb2.WorkerGenerateRequest:
     return worker_pb2.WorkerGenerateRequest(
         request_id=e.request_id, tenant_id=e.tenant_id, model=e.model,
         prompt_token_ids=e.prompt_token_ids + p.delivered, sampling=sampling,
-        request_class=_CLASS[e.request_class], cache_salt=e.cache_salt,
+        request_class=RequestClass(e.request_class).proto, cache_salt=e.cache_salt,
         deadline_unix_ns=e.deadline_unix_ns, start_index=len(p.delivered),
         num_original_prompt_tokens=len(e.prompt_token_ids),
         result_stream=queue.result_stream(e.request_id), operation=e.operation)
@@ -163,7 +161,7 @@ async def run_attempt(p: RequestProgress, worker: WorkerHandle, redis: aioredis.
                     # the router must show in the client's usage and in the bill.
                     p.queue_s = queue_wait_s(p.entry, sent_unix_ns) + u.queue_seconds
                 # Ended: a later sync must not count the last chunk's end marker again.
-                p.end_reason = _FINISH.get(msg.final.finish_reason, "stop")
+                p.end_reason = FinishReason.from_proto(msg.final.finish_reason)
                 return p.end_reason
         log.warning("request %s: worker %s ended the stream without a final", p.entry.request_id,
                     worker.worker_id)
@@ -216,5 +214,5 @@ def record_usage(span: trace.Span, p: RequestProgress, finish_reason: str, devic
     """The request's usage on its dispatch span, for tracing; the bill itself is the record
     billing_fields makes (this span carries no llmmesh.usage.final, so costd never bills it)."""
     attributes = _attributes(p, finish_reason, device_type)
-    del attributes[telemetry.USAGE_FINAL]
+    del attributes[vocab.USAGE_FINAL]
     span.set_attributes(attributes)

@@ -12,20 +12,17 @@ import time
 
 from opentelemetry import trace
 
-SPAN_NAME = "llmmesh.capacity"
-
-
-LOADING_S = "llmmesh.capacity.loading_s"
+from llmmesh import vocab
 
 
 def emit_interval(tracer: trace.Tracer, worker_id: str, device_type: str, start_ns: int,
                   end_ns: int, loading_s: float = 0.0) -> None:
-    span = tracer.start_span(SPAN_NAME, start_time=start_ns, attributes={
-        "llmmesh.worker.id": worker_id, "llmmesh.device.type": device_type,
-        "llmmesh.capacity.final": True,
-        "llmmesh.capacity.interval.id": f"{worker_id}:{start_ns}",
+    span = tracer.start_span(vocab.CAPACITY_SPAN, start_time=start_ns, attributes={
+        vocab.WORKER_ID: worker_id, vocab.DEVICE_TYPE: device_type,
+        vocab.CAPACITY_FINAL: True,
+        vocab.CAPACITY_INTERVAL_ID: f"{worker_id}:{start_ns}",
         # Seconds of the interval spent loading models (their own capacity category).
-        LOADING_S: min(loading_s, max(0.0, (end_ns - start_ns) / 1e9))})
+        vocab.CAPACITY_LOADING_S: min(loading_s, max(0.0, (end_ns - start_ns) / 1e9))})
     span.end(end_time=end_ns)
 
 

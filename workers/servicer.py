@@ -6,28 +6,26 @@ import time
 from opentelemetry import trace
 from redis.exceptions import RedisError
 
-from llmmesh import queue, telemetry
+from llmmesh import queue, telemetry, vocab
 from llmmesh.errors import Aborted, DeadlineExceeded, Internal, InvalidArgument, NotFound, Unavailable
 from llmmesh.tokenizer import IncrementalDetokenizer
 from llmmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from llmmesh.vocab import FinishReason, RequestClass
 from workers.engine.outputs import RequestUsage
+from workers.engine.request import Priority
 from workers.engine.sampling import SamplingParams
 
-INTERACTIVE, BATCH = 0, 1
 # Batch-class tokens travel in chunks: nobody watches them arrive one by one, and every message
 # costs CPU in this worker, Redis and the gateway, which on a shared host is taken from the
 # engine's steps. A chunk goes out at this many tokens or this age, and always
 # before the final. Interactive tokens go out as they come.
 BATCH_CHUNK_TOKENS = 16
 BATCH_CHUNK_S = 0.25
-_FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
-           "abort": common_pb2.FINISH_REASON_CANCELLED}
-_END_REASON = {"stop": "stop", "length": "length", "abort": "cancelled"}
 
 
 def _end_marker(reason: str, usage) -> dict:
     """The `end` of a worker's last result-stream chunk: what the router's final would say."""
-    return {"finish_reason": _END_REASON.get(reason, "stop"),
+    return {"finish_reason": FinishReason.of(reason).value,
             "usage": {"cached_prompt_tokens": usage.cached_prompt_tokens,
                       "prefill_device_s": usage.prefill_device_s,
                       "decode_device_s": usage.decode_device_s, "queue_s": usage.queue_s}}
@@ -83,22 +81,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if request.deadline_unix_ns and time.time_ns() >= request.deadline_unix_ns:
             raise DeadlineExceeded("deadline passed before the worker started the request")
         parent = telemetry.extract_context(dict(context.invocation_metadata() or ()))
-        operation = request.operation or telemetry.TEXT_COMPLETION
+        operation = request.operation or vocab.TEXT_COMPLETION
         # Loads the model first when it is not loaded here (within the request's deadline).
         async with self.host.use(request.model, request.deadline_unix_ns) as hosted:
             sampling = _sampling(request.sampling, hosted.tokenizer.stop_token_ids)
             self.num_requests_total += 1
             with self.tracer.start_as_current_span(telemetry.span_name(operation, request.model),
                                                    context=parent, kind=trace.SpanKind.SERVER) as span:
-                span.set_attributes({telemetry.OPERATION: operation,
-                                     telemetry.PROVIDER: telemetry.PROVIDER_NAME,
-                                     telemetry.REQUEST_MODEL: request.model,
-                                     telemetry.RESPONSE_MODEL: request.model,
-                                     telemetry.TENANT_ID: request.tenant_id,
-                                     telemetry.REQUEST_ID: request.request_id,
-                                     telemetry.WORKER_ID: self.worker_id,
-                                     telemetry.DEVICE_TYPE: self.device_type,
-                                     telemetry.QUANTIZATION: hosted.quantization})
+                span.set_attributes({vocab.OPERATION: operation,
+                                     vocab.PROVIDER: vocab.PROVIDER_NAME,
+                                     vocab.REQUEST_MODEL: request.model,
+                                     vocab.RESPONSE_MODEL: request.model,
+                                     vocab.TENANT_ID: request.tenant_id,
+                                     vocab.REQUEST_ID: request.request_id,
+                                     vocab.WORKER_ID: self.worker_id,
+                                     vocab.DEVICE_TYPE: self.device_type,
+                                     vocab.QUANTIZATION: hosted.quantization})
                 async for msg in self._stream(request, sampling, span, hosted.tokenizer):
                     yield msg
 
@@ -114,10 +112,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         if index > 0 and matcher.push(list(request.prompt_token_ids[-index:])):
             usage = RequestUsage(len(request.prompt_token_ids), 0, 0, 0.0, 0.0, 0.0)
             if stream:
-                await self._append(stream, index, [], [], end=_end_marker("stop", usage))
-            yield self._final("stop", usage, span)
+                await self._append(stream, index, [], [], end=_end_marker(FinishReason.STOP, usage))
+            yield self._final(FinishReason.STOP, usage, span)
             return
-        priority = BATCH if request.request_class == common_pb2.REQUEST_CLASS_BATCH else INTERACTIVE
+        request_class = RequestClass.from_proto(request.request_class)
+        priority = Priority(request_class.priority)
         outputs = self.engine.generate(request.request_id, list(request.prompt_token_ids), sampling,
                                        priority=priority, cache_salt=request.cache_salt,
                                        model=request.model)
@@ -135,13 +134,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     ids += out.new_token_ids
                     logprobs += out.new_logprobs or []
                     if matcher.push(out.new_token_ids) and not out.finished:
-                        self.engine.abort(request.request_id)  # its final arrives as "abort"
-                if out.finished and out.finish_reason == "error":
+                        self.engine.abort(request.request_id)  # its final arrives as cancelled
+                if out.finished and out.finish_reason == FinishReason.ERROR:
                     # An engine failure, not the request's fault: the router retries elsewhere
                     # (from the tokens it already relayed; a held chunk is computed again).
                     raise Internal(f"engine error on worker {self.worker_id}: {out.error}")
-                reason = ("stop" if matcher.matched else out.finish_reason) if out.finished else None
-                if reason or (ids and (priority == INTERACTIVE or matcher.matched
+                reason = (FinishReason.STOP if matcher.matched else out.finish_reason) if out.finished else None
+                if reason or (ids and (request_class == RequestClass.INTERACTIVE or matcher.matched
                                        or len(ids) >= BATCH_CHUNK_TOKENS
                                        or time.monotonic() - oldest >= BATCH_CHUNK_S)):
                     if stream:
@@ -177,14 +176,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     def _final(self, reason: str, usage, span) -> worker_pb2.WorkerGenerateResponse:
         self.num_prompt_tokens_total += usage.prompt_tokens
         self.num_cached_prompt_tokens_total += usage.cached_prompt_tokens
-        span.set_attributes({telemetry.INPUT_TOKENS: usage.prompt_tokens,
-                             telemetry.OUTPUT_TOKENS: usage.completion_tokens,
-                             telemetry.CACHE_READ_TOKENS: usage.cached_prompt_tokens,
-                             telemetry.PREFILL_DEVICE_S: usage.prefill_device_s,
-                             telemetry.DECODE_DEVICE_S: usage.decode_device_s,
-                             telemetry.FINISH_REASONS: [reason]})
+        span.set_attributes({vocab.INPUT_TOKENS: usage.prompt_tokens,
+                             vocab.OUTPUT_TOKENS: usage.completion_tokens,
+                             vocab.CACHE_READ_TOKENS: usage.cached_prompt_tokens,
+                             vocab.PREFILL_DEVICE_S: usage.prefill_device_s,
+                             vocab.DECODE_DEVICE_S: usage.decode_device_s,
+                             vocab.FINISH_REASONS: [str(reason)]})
         return worker_pb2.WorkerGenerateResponse(final=worker_pb2.WorkerFinal(
-            finish_reason=_FINISH.get(reason, common_pb2.FINISH_REASON_STOP),
+            finish_reason=FinishReason.of(reason).proto,
             usage=common_pb2.Usage(
                 prompt_tokens=usage.prompt_tokens, cached_prompt_tokens=usage.cached_prompt_tokens,
                 completion_tokens=usage.completion_tokens,

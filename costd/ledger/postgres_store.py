@@ -44,6 +44,8 @@ def _create_schema(conn: psycopg.Connection) -> None:
                 f"ledger schema v{version} is newer than this costd's v{SCHEMA_VERSION}")
         if version is None:
             conn.execute("INSERT INTO ledger_schema (version) VALUES (%s)", (SCHEMA_VERSION,))
+        elif version < SCHEMA_VERSION:   # the script above has migrated it
+            conn.execute("UPDATE ledger_schema SET version = %s", (SCHEMA_VERSION,))
 
 
 class PostgresStore(SqlStore):

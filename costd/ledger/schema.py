@@ -1,4 +1,4 @@
-"""The ledger's schema, one text per dialect, and the one migration so far (v1 → v2).
+"""The ledger's schema, one text per dialect, and its migrations (v1 → v2 → v3).
 
 SQLite (PRAGMA user_version holds the version) — PostgreSQL has the same tables with BIGINT /
 DOUBLE PRECISION columns and keeps its version in `ledger_schema`:
@@ -31,7 +31,8 @@ DOUBLE PRECISION columns and keeps its version in `ledger_schema`:
         device_type TEXT NOT NULL,
         start_unix_ns INTEGER NOT NULL,
         end_unix_ns INTEGER NOT NULL CHECK (end_unix_ns >= start_unix_ns),
-        recorded_unix_ns INTEGER NOT NULL
+        recorded_unix_ns INTEGER NOT NULL,
+        loading_ns INTEGER NOT NULL DEFAULT 0 CHECK (loading_ns >= 0)
     ) STRICT;
     CREATE INDEX IF NOT EXISTS capacity_intervals_by_start
         ON capacity_intervals (start_unix_ns);
@@ -43,11 +44,12 @@ time ranges and charge periods use; recorded_unix_ns is when costd first wrote t
 audits. *_device_s are the seconds as sent; *_device_ns are the same rounded to integer
 nanoseconds, which is what billing sums, so sums are exact in SQL on either database.
 capacity_intervals: one row per worker capacity report (costd.capacity); interval_id is the
-idempotency key; a worker's intervals are contiguous, so their sum is its uptime.
+idempotency key; a worker's intervals are contiguous, so their sum is its uptime;
+loading_ns is the part of the interval the worker spent loading models (v3; 0 before).
 """
 from __future__ import annotations
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 # Kept word for word in the module docstring; tests/unit/test_ledger.py checks they agree.
 SQLITE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage_records (
@@ -78,7 +80,8 @@ CREATE TABLE IF NOT EXISTS capacity_intervals (
     device_type TEXT NOT NULL,
     start_unix_ns INTEGER NOT NULL,
     end_unix_ns INTEGER NOT NULL CHECK (end_unix_ns >= start_unix_ns),
-    recorded_unix_ns INTEGER NOT NULL
+    recorded_unix_ns INTEGER NOT NULL,
+    loading_ns INTEGER NOT NULL DEFAULT 0 CHECK (loading_ns >= 0)
 ) STRICT;
 CREATE INDEX IF NOT EXISTS capacity_intervals_by_start
     ON capacity_intervals (start_unix_ns);
@@ -95,6 +98,13 @@ UPDATE usage_records SET prefill_device_ns = CAST(round(prefill_device_s * 1e9) 
                          decode_device_ns = CAST(round(decode_device_s * 1e9) AS INTEGER);
 """
 
+# v2 had capacity intervals without loading time: none was recorded, so 0 is exact.
+SQLITE_MIGRATE_V2 = """
+ALTER TABLE capacity_intervals ADD COLUMN
+    loading_ns INTEGER NOT NULL DEFAULT 0 CHECK (loading_ns >= 0);
+"""
+
+# PostgreSQL's script is idempotent and migrates by itself (ADD COLUMN IF NOT EXISTS).
 POSTGRES_SCHEMA = """
 CREATE TABLE IF NOT EXISTS ledger_schema (version INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS usage_records (
@@ -125,10 +135,13 @@ CREATE TABLE IF NOT EXISTS capacity_intervals (
     device_type TEXT NOT NULL,
     start_unix_ns BIGINT NOT NULL,
     end_unix_ns BIGINT NOT NULL CHECK (end_unix_ns >= start_unix_ns),
-    recorded_unix_ns BIGINT NOT NULL
+    recorded_unix_ns BIGINT NOT NULL,
+    loading_ns BIGINT NOT NULL DEFAULT 0 CHECK (loading_ns >= 0)
 );
 CREATE INDEX IF NOT EXISTS capacity_intervals_by_start
     ON capacity_intervals (start_unix_ns);
+ALTER TABLE capacity_intervals ADD COLUMN IF NOT EXISTS
+    loading_ns BIGINT NOT NULL DEFAULT 0 CHECK (loading_ns >= 0);
 """
 
 

@@ -14,7 +14,8 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
-from costd.ledger.schema import SCHEMA_VERSION, SQLITE_MIGRATE_V1, SQLITE_SCHEMA, statements
+from costd.ledger.schema import (SCHEMA_VERSION, SQLITE_MIGRATE_V1, SQLITE_MIGRATE_V2,
+                                 SQLITE_SCHEMA, statements)
 from costd.ledger.store import SqlStore
 from costd.pipeline import PermanentError, RetryableError
 
@@ -34,8 +35,11 @@ def _create_schema(conn: sqlite3.Connection) -> None:
             # Writing with an older schema would corrupt what the newer costd relies on.
             raise PermanentError(
                 f"ledger schema v{version} is newer than this costd's v{SCHEMA_VERSION}")
-        if version == 1:
+        if version == 1:   # v1 had no capacity table: the schema below creates it as v3
             for statement in statements(SQLITE_MIGRATE_V1):
+                conn.execute(statement)
+        if version == 2:
+            for statement in statements(SQLITE_MIGRATE_V2):
                 conn.execute(statement)
         for statement in statements(SQLITE_SCHEMA):
             conn.execute(statement)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
+from costd.allocation import split_units
 from costd.capacity import MAX_INTERVAL_NS, CapacityRecord
 from costd.ledger.config import LedgerConfig
 from costd.usage import LedgerBatch, UsageRecord
@@ -31,8 +32,9 @@ ON CONFLICT (request_id) DO NOTHING
 """
 _INSERT_CAPACITY = """
 INSERT INTO capacity_intervals (
-    interval_id, worker_id, device_type, start_unix_ns, end_unix_ns, recorded_unix_ns)
-VALUES (?, ?, ?, ?, ?, ?)
+    interval_id, worker_id, device_type, start_unix_ns, end_unix_ns, recorded_unix_ns,
+    loading_ns)
+VALUES (?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (interval_id) DO NOTHING
 """
 _TENANT_USAGE = """
@@ -56,12 +58,13 @@ ORDER BY 1, 2, 3, 4, 5
 _INSIDE = f"""start_unix_ns >= ? AND end_unix_ns <= ?
     AND start_unix_ns / {HOUR_NS} = (end_unix_ns - 1) / {HOUR_NS}"""
 _CAPACITY_BY_HOUR = f"""
-SELECT start_unix_ns / {HOUR_NS}, device_type, worker_id, SUM(end_unix_ns - start_unix_ns)
+SELECT start_unix_ns / {HOUR_NS}, device_type, worker_id, SUM(end_unix_ns - start_unix_ns),
+       SUM(loading_ns)
 FROM capacity_intervals WHERE {_INSIDE}
 GROUP BY 1, 2, 3
 """
 _CAPACITY_EDGES = f"""
-SELECT device_type, worker_id, start_unix_ns, end_unix_ns FROM capacity_intervals
+SELECT device_type, worker_id, start_unix_ns, end_unix_ns, loading_ns FROM capacity_intervals
 WHERE start_unix_ns >= ? AND start_unix_ns < ? AND end_unix_ns > ? AND NOT ({_INSIDE})
 """
 _RECORDS = """
@@ -120,6 +123,7 @@ class CapacityAggregate:
     device_type: str
     worker_id: str
     device_ns: int
+    loading_ns: int = 0   # of device_ns, spent loading models
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +147,7 @@ def usage_row(record: UsageRecord, recorded_unix_ns: int) -> tuple:
 
 def capacity_row(record: CapacityRecord, recorded_unix_ns: int) -> tuple:
     return (record.interval_id, record.worker_id, record.device_type, record.start_unix_ns,
-            record.end_unix_ns, recorded_unix_ns)
+            record.end_unix_ns, recorded_unix_ns, record.loading_ns)
 
 
 def split_by_hour(start_ns: int, end_ns: int) -> Iterator[tuple[int, int]]:
@@ -201,17 +205,28 @@ class SqlStore(ABC):
                 for r in rows]
 
     def capacity_by_hour(self, start_ns: int, end_ns: int) -> list[CapacityAggregate]:
-        totals: dict[tuple[int, str, str], int] = {}
-        for hour, device, worker, ns in self._read(_CAPACITY_BY_HOUR, (start_ns, end_ns)):
-            totals[int(hour), device, worker] = int(ns)
+        totals: dict[tuple[int, str, str], list[int]] = {}
+        for hour, device, worker, ns, loading in self._read(_CAPACITY_BY_HOUR,
+                                                            (start_ns, end_ns)):
+            totals[int(hour), device, worker] = [int(ns), int(loading)]
         edges = self._read(_CAPACITY_EDGES, (start_ns - MAX_INTERVAL_NS, end_ns, start_ns,
                                              start_ns, end_ns))
-        for device, worker, first_ns, last_ns in edges:
-            clipped = (max(int(first_ns), start_ns), min(int(last_ns), end_ns))
-            for hour, ns in split_by_hour(*clipped):
-                key = (hour, device, worker)
-                totals[key] = totals.get(key, 0) + ns
-        return [CapacityAggregate(h, d, w, ns) for (h, d, w), ns in sorted(totals.items())]
+        for device, worker, first_ns, last_ns, loading in edges:
+            pieces = list(split_by_hour(int(first_ns), int(last_ns)))
+            # Loading time is spread over the interval's hours by their share of it (largest
+            # remainder: the pieces sum to the interval's loading time exactly).
+            shares = split_units(int(loading), [ns for _, ns in pieces]) or [0] * len(pieces)
+            piece_start = int(first_ns)
+            for (hour, ns), share in zip(pieces, shares):
+                piece_end = piece_start + ns
+                inside = min(piece_end, end_ns) - max(piece_start, start_ns)
+                if inside > 0:
+                    entry = totals.setdefault((hour, device, worker), [0, 0])
+                    entry[0] += inside
+                    entry[1] += share * inside // ns   # a piece clipped by the range: its part
+                piece_start = piece_end
+        return [CapacityAggregate(h, d, w, ns, loading)
+                for (h, d, w), (ns, loading) in sorted(totals.items())]
 
     def usage_records(self, start_ns: int, end_ns: int, tenant_id: str = "") -> list[UsageRecord]:
         """Each request that ended in [start, end), of one tenant or ("") of all."""

@@ -34,8 +34,8 @@ def usage(tenant="acme", hour=HOUR0, device="cpu", prefill_s=1.5, decode_s=6.0, 
                           completion, round(prefill_s * S), round(decode_s * S))
 
 
-def capacity(hour=HOUR0, device="cpu", worker="w0", seconds=3600):
-    return CapacityAggregate(hour, device, worker, seconds * S)
+def capacity(hour=HOUR0, device="cpu", worker="w0", seconds=3600, loading_s=0):
+    return CapacityAggregate(hour, device, worker, seconds * S, loading_s * S)
 
 
 def statement(usages, capacities, policy=IdlePolicy.UNUSED, granularity=Granularity.TOTAL,
@@ -86,6 +86,35 @@ def test_pro_rata_leaves_idle_unused_in_a_period_nobody_used():
                                                               Decimal("3.600000000"))]
 
 
+def test_loading_is_its_own_capacity_line_carved_out_of_idle():
+    # 10 s of capacity at $0.001/s: 2 s of requests, 3 s loading models, 5 s idle.
+    s = statement([usage(prefill_s=1, decode_s=1)], [capacity(seconds=10, loading_s=3)])
+    by_kind = {l.token_kind: l for l in s.lines}
+    loading, idle = by_kind[TokenKind.LOADING], by_kind[TokenKind.IDLE]
+    assert (loading.tenant_id, loading.device_ns, loading.cost) == ("", 3 * S, Decimal("0.003"))
+    assert (idle.device_ns, idle.cost) == (5 * S, Decimal("0.005"))
+    (device,) = s.devices
+    assert (device.loading_ns, device.loading_cost, device.idle_ns) == (
+        3 * S, Decimal("0.003"), 5 * S)
+    assert s.unused_cost == Decimal("0.008")   # idle + loading: nobody's
+    assert invoice_for(s, "acme").loading_cost == 0
+    # Without loading reported, the same 3 s are idle: nothing is billed twice or lost.
+    plain = statement([usage(prefill_s=1, decode_s=1)], [capacity(seconds=10)])
+    assert [l.token_kind for l in plain.lines].count(TokenKind.LOADING) == 0
+    assert sum(l.cost for l in plain.lines) == sum(l.cost for l in s.lines) == Decimal("0.01")
+
+
+def test_pro_rata_shares_loading_like_idle():
+    s = statement([usage("acme", prefill_s=1, decode_s=1), usage("globex", prefill_s=1,
+                                                                decode_s=0)],
+                  [capacity(seconds=10, loading_s=3)], IdlePolicy.PRO_RATA)
+    loading = {l.tenant_id: l for l in s.lines if l.token_kind is TokenKind.LOADING}
+    assert set(loading) == {"acme", "globex"}
+    assert (loading["acme"].cost, loading["globex"].cost) == (Decimal("0.002"), Decimal("0.001"))
+    assert invoice_for(s, "acme").loading_cost == Decimal("0.002")
+    assert s.unused_cost == 0 and sum(l.cost for l in s.lines) == Decimal("0.01")
+
+
 def test_prices_follow_effective_dates_by_hour():
     s = statement([usage(hour=HOUR0, device="a100", prefill_s=3600, decode_s=0),
                    usage(hour=HOUR0 + 1, device="a100", prefill_s=3600, decode_s=0)], [])
@@ -125,7 +154,9 @@ def test_tenants_plus_idle_equal_capacity_times_price_exactly(policy):
     usages, capacities = [], []
     for hour in range(HOUR0, HOUR0 + 6):
         for worker, device in (("w0", "cpu"), ("w1", "cuda:NVIDIA-A100-SXM4-80GB")):
-            capacities.append(capacity(hour, device, worker, rng.randint(1000, 3600)))
+            seconds = rng.randint(1000, 3600)
+            capacities.append(capacity(hour, device, worker, seconds,
+                                       rng.choice([0, rng.randint(0, 600)])))
             for tenant in ("acme", "globex", "initech"):
                 usages.append(usage(tenant, hour, device, rng.uniform(0, 90), rng.uniform(0, 200),
                                     requests=rng.randint(1, 9), request_class=rng.choice(
@@ -134,7 +165,7 @@ def test_tenants_plus_idle_equal_capacity_times_price_exactly(policy):
                         Granularity.HOUR, policy)
     for device in s.devices:
         assert device.capacity_cost == (device.attributed_cost + device.idle_allocated_cost
-                                        + device.idle_unallocated_cost)
+                                        + device.idle_unallocated_cost + device.loading_cost)
     invoices = [invoice_for(s, t) for t in s.tenant_ids]
     fleet = fleet_totals(s, invoices)
     assert fleet.capacity_cost == fleet.tenants_cost + fleet.unused_cost

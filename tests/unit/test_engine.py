@@ -226,7 +226,7 @@ def test_abort_ends_the_stream_and_unknown_ids_are_refused(model):
             await engine.shutdown()
 
     first, rest = asyncio.run(main())
-    assert not first.finished and rest[-1].finished and rest[-1].finish_reason == "abort"
+    assert not first.finished and rest[-1].finished and rest[-1].finish_reason == "cancelled"
     assert rest[-1].usage.completion_tokens < 400
 
 

@@ -96,6 +96,22 @@ def test_focus_rows_fill_the_mandatory_non_nullable_columns(statement):
     assert prompt["SkuPriceId"] == "cpu@3.600000000/h" and prompt["BillingAccountName"]
 
 
+def test_loading_rows_are_device_hours_of_their_own_kind():
+    usage = [UsageAggregate(HOUR0, "acme", "m", "batch", "cpu", 2, 100, 40, 50, 1_500_000_000,
+                            6_000_000_000)]
+    capacity = [CapacityAggregate(HOUR0, "cpu", "w0", 3600 * S, 360 * S)]
+    s = build_statement(usage, capacity, BOOK, HOUR0 * H, (HOUR0 + 1) * H)
+    rows = rows_of_csv(encode(focus_table(s, s.lines), ExportFormat.CSV))
+    (loading,) = [r for r in rows if r["x_TokenKind"] == "loading"]
+    assert (loading["ConsumedUnit"], Decimal(loading["ConsumedQuantity"])) == ("Hours",
+                                                                             Decimal("0.1"))
+    assert loading["ChargeDescription"] == "cpu time spent loading models"
+    assert Decimal(loading["EffectiveCost"]) == Decimal("0.36")   # 0.1 h at $3.60
+    (idle,) = [r for r in rows if r["x_TokenKind"] == "idle"]
+    # 3600 s − 360 loading − 7.5 of requests, in hours to 1e-9
+    assert Decimal(idle["ConsumedQuantity"]) == Decimal("0.897916667")
+
+
 def test_focus_csv_rows_are_exact(statement):
     prompt, completion, idle = rows_of_csv(encode(focus_table(statement, statement.lines),
                                                   ExportFormat.CSV))

@@ -32,8 +32,9 @@ def record(request_id: str = "req-1", tenant_id: str = "acme", end_s: int = 100,
     return UsageRecord(**fields)
 
 
-def interval(worker: str, start_ns: int, end_ns: int, device: str = "cpu") -> CapacityRecord:
-    return CapacityRecord(f"{worker}:{start_ns}", worker, device, start_ns, end_ns)
+def interval(worker: str, start_ns: int, end_ns: int, device: str = "cpu",
+             loading_ns: int = 0) -> CapacityRecord:
+    return CapacityRecord(f"{worker}:{start_ns}", worker, device, start_ns, end_ns, loading_ns)
 
 
 @pytest.fixture
@@ -101,6 +102,23 @@ def test_capacity_intervals_are_idempotent_and_split_across_hours(ledger):
     # The range clips intervals: only what lies inside it is capacity of that range.
     assert ledger.store.capacity_by_hour(10 * h, 10 * h + 8 * S) == [
         CapacityAggregate(10, "a100", "w1", 2 * S), CapacityAggregate(10, "cpu", "w0", 8 * S)]
+
+
+def test_loading_time_is_kept_and_split_across_hours_exactly(ledger):
+    h = HOUR_NS
+    # 10 s straddling 10:00 (4 s before, 6 s after) with 5 s of loading: 2 s and 3 s.
+    ledger.insert([], [interval("w0", 10 * h - 4 * S, 10 * h + 6 * S, loading_ns=5 * S),
+                       interval("w0", 10 * h + 6 * S, 10 * h + 16 * S, loading_ns=S + 1),
+                       interval("w1", 10 * h + 6 * S, 10 * h + 16 * S)])
+    assert ledger.store.capacity_by_hour(0, 20 * h) == [
+        CapacityAggregate(9, "cpu", "w0", 4 * S, 2 * S),
+        CapacityAggregate(10, "cpu", "w0", 16 * S, 4 * S + 1),
+        CapacityAggregate(10, "cpu", "w1", 10 * S, 0)]
+    # 7 loading ns over four hour pieces (1 ns, 1 h, 1 h, 1 ns): they still sum to 7.
+    ledger.insert([], [interval("w2", 20 * h - 1, 22 * h + 1, loading_ns=7)])
+    pieces = [a for a in ledger.store.capacity_by_hour(0, 30 * h) if a.worker_id == "w2"]
+    assert [a.device_ns for a in pieces] == [1, h, h, 1]
+    assert sum(a.loading_ns for a in pieces) == 7
 
 
 def test_usage_by_hour_sums_exact_nanoseconds(ledger):
@@ -256,6 +274,61 @@ def test_v1_ledger_is_migrated_in_place(db_path, tmp_path):
         ledger.insert([], [interval("w0", S, 2 * S)])  # the new table exists
     finally:
         ledger.close()
+
+
+# v2's capacity table, word for word: ledgers it wrote gain loading_ns (0) in place.
+V2_CAPACITY = """
+CREATE TABLE capacity_intervals (
+    interval_id TEXT PRIMARY KEY, worker_id TEXT NOT NULL, device_type TEXT NOT NULL,
+    start_unix_ns INTEGER NOT NULL,
+    end_unix_ns INTEGER NOT NULL CHECK (end_unix_ns >= start_unix_ns),
+    recorded_unix_ns INTEGER NOT NULL) STRICT;
+INSERT INTO capacity_intervals VALUES ('w0:1', 'w0', 'cpu', 1000000000, 3000000000, 1);
+PRAGMA user_version=2;
+"""
+
+
+def test_v2_ledger_gains_loading_time_in_place(db_path, tmp_path):
+    (tmp_path / "var").mkdir()
+    conn = sqlite3.connect(db_path)
+    conn.executescript(V2_CAPACITY)
+    conn.close()
+    ledger = UsageLedger(LedgerConfig(db_path)).open()
+    try:
+        ledger.insert([], [interval("w0", 3 * S, 5 * S, loading_ns=S)])
+        assert ledger.store.capacity_by_hour(0, HOUR_NS) == [
+            CapacityAggregate(0, "cpu", "w0", 4 * S, S)]
+    finally:
+        ledger.close()
+    conn = sqlite3.connect(db_path)
+    try:
+        assert conn.execute("PRAGMA user_version").fetchone() == (SCHEMA_VERSION,) == (3,)
+    finally:
+        conn.close()
+
+
+def test_v2_postgres_ledger_gains_loading_time_in_place():
+    psycopg = pytest.importorskip("psycopg")
+    for url in postgres_url_or_skip():
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("CREATE TABLE ledger_schema (version INTEGER NOT NULL)")
+            conn.execute("INSERT INTO ledger_schema VALUES (2)")
+            conn.execute("""CREATE TABLE capacity_intervals (
+                interval_id TEXT PRIMARY KEY, worker_id TEXT NOT NULL,
+                device_type TEXT NOT NULL, start_unix_ns BIGINT NOT NULL,
+                end_unix_ns BIGINT NOT NULL CHECK (end_unix_ns >= start_unix_ns),
+                recorded_unix_ns BIGINT NOT NULL)""")
+            conn.execute("INSERT INTO capacity_intervals VALUES ('w0:1', 'w0', 'cpu', "
+                         "1000000000, 3000000000, 1)")
+        ledger = UsageLedger(LedgerConfig.from_url(url)).open()
+        try:
+            ledger.insert([], [interval("w0", 3 * S, 5 * S, loading_ns=S)])
+            assert ledger.store.capacity_by_hour(0, HOUR_NS) == [
+                CapacityAggregate(0, "cpu", "w0", 4 * S, S)]
+        finally:
+            ledger.close()
+        with psycopg.connect(url, autocommit=True) as conn:
+            assert conn.execute("SELECT version FROM ledger_schema").fetchall() == [(3,)]
 
 
 def test_newer_schema_is_refused(db_path):

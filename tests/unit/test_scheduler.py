@@ -136,7 +136,7 @@ def test_abort_frees_blocks_at_once_and_is_reported_to_the_runner():
     scheduler.schedule()
     assert scheduler.kv.num_free_blocks == 4
     final = scheduler.abort("a")
-    assert final.finished and final.finish_reason == "abort" and final.new_token_ids == []
+    assert final.finished and final.finish_reason == "cancelled" and final.new_token_ids == []
     assert final.usage.prompt_tokens == 9 and final.usage.completion_tokens == 0
     assert scheduler.kv.num_free_blocks == 7               # w still holds one
     assert scheduler.abort("a") is None and scheduler.abort("nope") is None
@@ -147,7 +147,7 @@ def test_abort_of_a_waiting_request():
     scheduler = make_scheduler(max_seqs=1)
     add(scheduler, "a", 4, arrival=0)
     add(scheduler, "b", 4, arrival=1)
-    assert scheduler.abort("b").finish_reason == "abort"
+    assert scheduler.abort("b").finish_reason == "cancelled"
     assert scheduler.waiting[0].request_id == "a" and len(scheduler.waiting) == 1
 
 

@@ -164,3 +164,26 @@ def test_device_seconds_become_exact_nanoseconds():
         "llmmesh.prefill.device_seconds": 0.1, "llmmesh.decode.device_seconds": 1e-10})))
     # 0.1 as a double is 0.1000000000000000055…: rounding to ns gives exactly 100 ms.
     assert (record.prefill_device_ns, record.decode_device_ns) == (100_000_000, 0)
+
+
+def test_loading_seconds_become_the_interval_s_loading_nanoseconds():
+    record = capacity_from_span(capacity_span(**{"llmmesh.capacity.loading_s": 2.5}))
+    assert (record.duration_ns, record.loading_ns) == (10 * 10**9, 2_500_000_000)
+    # A worker that loads nothing (or predates the attribute) sends none: 0, not an error.
+    assert capacity_from_span(capacity_span()).loading_ns == 0
+    # A whole interval spent loading, sent as float seconds, is the whole interval.
+    whole = capacity_from_span(capacity_span(start_ns=END_NS - 10**10 - 7, **{
+        "llmmesh.capacity.loading_s": (10**10 + 7) / 1e9}))
+    assert whole.loading_ns == whole.duration_ns
+
+
+@pytest.mark.parametrize("loading_s, reason", [
+    (10.5, "llmmesh.capacity.loading_s must be between 0 and the interval's 10.000000000 s"),
+    (-1.0, "llmmesh.capacity.loading_s must be finite and >= 0"),
+])
+def test_loading_beyond_the_interval_or_negative_is_rejected(loading_s, reason):
+    sink = Collect()
+    (rejection,) = asyncio.run(UsageProcessor(sink).consume([capacity_span(**{
+        "llmmesh.capacity.loading_s": loading_s})]))
+    assert reason in rejection.reason and "interval w1:100" in rejection.item_id
+    assert sink.batches == []

@@ -8,6 +8,7 @@ import threading
 from collections.abc import AsyncIterator
 
 from llmmesh.errors import AlreadyExists
+from llmmesh.vocab import FinishReason
 from workers.engine.config import CacheInfo, EngineConfig
 from workers.engine.engine_core import EngineCore
 from workers.engine.outputs import EngineLoad, RequestOutput
@@ -160,7 +161,7 @@ class AsyncEngine:
                 self._submit("abort", (self._owner.pop(request_id, name), request_id))
 
     def abort(self, request_id: str) -> bool:
-        """Abort an in-flight request; its stream ends with finish_reason "abort"."""
+        """Abort an in-flight request; its stream ends with finish_reason CANCELLED."""
         if request_id not in self._streams:
             return False
         self._submit("abort", (self._owner[request_id], request_id))
@@ -278,7 +279,7 @@ class AsyncEngine:
                 raise ValueError(f"model {name!r} is not loaded")
             core.add_request(item)
         except ValueError as exc:
-            return [RequestOutput(item.request_id, [], None, True, "error", None, str(exc))]
+            return [RequestOutput(item.request_id, [], None, True, FinishReason.ERROR, None, str(exc))]
         return []
 
     def _resolve_detach(self, name: str) -> None:

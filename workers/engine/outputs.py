@@ -21,9 +21,9 @@ class RequestOutput:
     new_token_ids: list[int]
     new_logprobs: list[float] | None
     finished: bool
-    finish_reason: str | None = None    # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None    # a llmmesh.vocab.FinishReason
     usage: RequestUsage | None = None   # on the final output only
-    error: str | None = None            # set with finish_reason "error"
+    error: str | None = None            # set with finish_reason ERROR
 
 
 @dataclass(frozen=True, slots=True)

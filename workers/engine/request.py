@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 
 from llmmesh.prefix_hash import hash_block, root_hash
+from llmmesh.vocab import FinishReason, RequestClass
 
 from workers.engine.sampling import SamplingParams
 
@@ -14,9 +15,8 @@ from workers.engine.sampling import SamplingParams
 _arrival_counter = itertools.count()
 
 
-class Priority(enum.IntEnum):
-    INTERACTIVE = 0
-    BATCH = 1
+# One priority per request class, in the class's order: 0 (interactive) is served first.
+Priority = enum.IntEnum("Priority", {c.name: c.priority for c in RequestClass})
 
 
 class RequestStatus(enum.IntEnum):
@@ -32,13 +32,13 @@ class RequestStatus(enum.IntEnum):
         return self > RequestStatus.PREEMPTED
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self)
 
 
-_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop",
-                   RequestStatus.FINISHED_LENGTH: "length",
-                   RequestStatus.FINISHED_ABORTED: "abort"}
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+                   RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+                   RequestStatus.FINISHED_ABORTED: FinishReason.CANCELLED}
 
 
 class Request:

@@ -5,6 +5,7 @@ import bisect
 import time
 from dataclasses import dataclass
 
+from llmmesh.vocab import FinishReason
 from workers.engine.config import CacheInfo, EngineConfig
 from workers.engine.kv_cache_manager import KVCacheManager
 from workers.engine.outputs import EngineLoad, ModelRunnerOutput, RequestOutput, RequestUsage
@@ -272,7 +273,7 @@ class Scheduler:
                 error: str | None = None) -> RequestOutput:
         if not request.status.finished:
             return RequestOutput(request.request_id, token_ids, logprobs, False)
-        reason = "error" if error is not None else request.status.finish_reason
+        reason = FinishReason.ERROR if error is not None else request.status.finish_reason
         return RequestOutput(request.request_id, token_ids, logprobs, True, reason,
                              self._usage(request), error)
 
