@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
 
 from costd.billing import BillingQuery, InvoiceSet
 from costd.costmodel import CostLine, DeviceReconciliation, IdlePolicy, TokenKind
 from costd.invoice import Invoice
 from costd.periods import Granularity
+from costd.whatif.consolidation import ConsolidationResult, FieldError, Layout, ModelLoad
+from costd.whatif.curve import ThroughputCurve, parse_curve
 from costd.whatif.model import WhatIfResult
 from costd.whatif.profile import Lengths, Scenario, TrafficProfile
 from llmmesh.errors import InvalidArgument
@@ -149,3 +152,60 @@ def whatif_response(r: WhatIfResult, currency: str) -> cost_pb2.WhatIfResponse:
                                    tokens_per_s=h.tokens_per_s, devices=h.devices,
                                    utilisation=h.utilisation, cost=money(h.cost))
                for h in r.hours])
+
+
+def _within(prefix: str, error: InvalidArgument) -> InvalidArgument:
+    return InvalidArgument(f"{prefix}.{error.field}", error.message[len(error.field) + 2:])
+
+
+def consolidation_models(models: Sequence[cost_pb2.ConsolidationModel],
+                         curve_named: Callable[[str], ThroughputCurve]) -> list[ModelLoad]:
+    """The request's models, each curve resolved by name unless given inline."""
+    loads = []
+    for i, m in enumerate(models):
+        field = f"models[{i}]"
+        try:
+            profile = profile_of(m.profile)
+        except InvalidArgument as error:
+            raise _within(field, error) from error
+        if not (m.curve or m.curve_json):
+            raise InvalidArgument(f"{field}.curve", "give a curve name or curve_json")
+        try:
+            curve = parse_curve(m.curve_json, m.name) if m.curve_json else curve_named(m.curve)
+        except ValueError as error:
+            raise InvalidArgument(f"{field}.curve", str(error)) from error
+        try:
+            loads.append(ModelLoad(m.name, profile, curve, m.memory_mib, m.load_s, m.pinned))
+        except FieldError as error:
+            raise InvalidArgument(f"{field}.{error.field}", error.problem) from error
+    return loads
+
+
+def _layout_proto(layout: Layout) -> cost_pb2.ConsolidationLayout:
+    return cost_pb2.ConsolidationLayout(
+        feasible=layout.feasible, reasons=list(layout.reasons), cost=money(layout.cost),
+        devices_needed=layout.devices_needed, device_hours=layout.device_hours,
+        utilisation=layout.utilisation,
+        cost_per_million_tokens=money(layout.cost_per_million_tokens),
+        loading_s=layout.loading_s, devices_by_hour=list(layout.devices_by_hour))
+
+
+def consolidation_response(r: ConsolidationResult,
+                           currency: str) -> cost_pb2.ConsolidationResponse:
+    return cost_pb2.ConsolidationResponse(
+        currency=currency, dedicated=_layout_proto(r.dedicated), shared=_layout_proto(r.shared),
+        models=[cost_pb2.ConsolidationModelResult(
+            name=m.name, curve=m.dedicated.curve, tokens=m.dedicated.tokens,
+            concurrency=m.dedicated.concurrency, p95_latency_s=m.dedicated.p95_latency_s,
+            busy_s=m.busy_s, dedicated_cost=money(m.dedicated.cost),
+            dedicated_device_hours=m.dedicated.device_hours,
+            dedicated_cost_per_million_tokens=money(m.dedicated.cost_per_million_tokens),
+            shared_cost=money(m.shared_cost),
+            shared_cost_per_million_tokens=money(m.shared_cost_per_million_tokens),
+            loads=m.num_loads, loading_s=m.loading_s) for m in r.models],
+        hours=[cost_pb2.ConsolidationHour(
+            hour=h.hour, dedicated_devices=h.dedicated_devices, shared_devices=h.shared_devices,
+            busy_devices=h.busy_devices, loading_s=h.loading_s, loaded=list(h.loaded))
+            for h in r.hours],
+        saving=money(r.saving), saving_pct=r.saving_pct or 0.0, cheaper=r.cheaper,
+        caveats=list(r.caveats))

@@ -14,6 +14,7 @@ from costd.costmodel import IdlePolicy
 from costd.export import ExportFormat
 from costd.ledger import TenantUsage, UsageLedger
 from costd.periods import Granularity
+from costd.whatif.consolidation import FieldError
 from costd.whatif.planner import WhatIfPlanner
 from llmmesh.errors import InvalidArgument
 from llmmesh.v1 import cost_pb2, cost_pb2_grpc
@@ -86,3 +87,15 @@ class CostServicer(cost_pb2_grpc.CostServiceServicer):
         except ValueError as error:
             raise InvalidArgument("scenario", str(error)) from error
         return convert.whatif_response(result, self._planner.book.currency)
+
+    async def WhatIfConsolidation(self, request: cost_pb2.ConsolidationRequest,
+                                  context: object) -> cost_pb2.ConsolidationResponse:
+        models = convert.consolidation_models(request.models, self._planner.curve_named)
+        scenario = convert.scenario_of(request.scenario)
+        try:
+            result = self._planner.consolidate(models, scenario, request.device_memory_mib)
+        except FieldError as error:
+            raise InvalidArgument(error.field, error.problem) from error
+        except ValueError as error:
+            raise InvalidArgument("scenario", str(error)) from error
+        return convert.consolidation_response(result, self._planner.book.currency)

@@ -1,6 +1,7 @@
-"""`llmmesh bill` and `llmmesh whatif`: costd's invoices, exports and what-if answers.
+"""`llmmesh bill`, `llmmesh whatif` and `llmmesh whatif-consolidate`: costd's invoices,
+exports and what-if answers.
 
-Talks to costd over gRPC only (no service is imported here); `whatif --local` runs
+Talks to costd over gRPC only (no service is imported here); `--local` runs
 `python -m costd.whatif` on the price book and curves in this checkout instead.
 """
 from __future__ import annotations
@@ -176,8 +177,10 @@ def _export(stub, query: cost_pb2.BillingQuery, fmt: str, out: str) -> None:
 
 def profile_proto(path: str) -> cost_pb2.TrafficProfile:
     """The profile file (JSON; format in costd/whatif/profile.py) as the proto."""
-    data = json.loads(Path(path).read_text())
+    return profile_of_json(json.loads(Path(path).read_text()))
 
+
+def profile_of_json(data: dict) -> cost_pb2.TrafficProfile:
     def buckets(value) -> list[cost_pb2.LengthBucket]:
         pairs = [(value, 1.0)] if isinstance(value, (int, float)) else value
         return [cost_pb2.LengthBucket(tokens=int(t), weight=float(w)) for t, w in pairs]
@@ -204,14 +207,14 @@ def print_whatif(r: cost_pb2.WhatIfResponse) -> None:
                f"p95 latency ≈ {r.p95_latency_s:.2f} s; tokens: {r.tokens:,.0f} (curve {r.curve})")
 
 
-def _whatif_local(request: cost_pb2.WhatIfRequest) -> cost_pb2.WhatIfResponse:
-    done = subprocess.run([sys.executable, "-m", "costd.whatif"], capture_output=True,
+def _whatif_local(request, response, *flags: str):
+    done = subprocess.run([sys.executable, "-m", "costd.whatif", *flags], capture_output=True,
                           input=json_format.MessageToJson(request).encode(),
                           cwd=Path(__file__).resolve().parents[1], env=os.environ.copy())
     if done.returncode != 0:
         typer.echo(done.stderr.decode().strip(), err=True)
         raise typer.Exit(1)
-    return json_format.Parse(done.stdout, cost_pb2.WhatIfResponse())
+    return json_format.Parse(done.stdout, response)
 
 
 def whatif(profile: str = typer.Option(..., help="traffic profile JSON file"),
@@ -238,7 +241,7 @@ def whatif(profile: str = typer.Option(..., help="traffic profile JSON file"),
             autoscale=autoscale, p95_latency_slo_s=p95_slo_s),
         curve_json=Path(curve).read_text() if curve else "")
     if local:
-        response = _whatif_local(request)
+        response = _whatif_local(request, cost_pb2.WhatIfResponse())
     else:
         with costd_channel(costd) as channel:
             try:
@@ -251,6 +254,96 @@ def whatif(profile: str = typer.Option(..., help="traffic profile JSON file"),
         print_whatif(response)
 
 
+def models_request(path: str, scenario: cost_pb2.Scenario,
+                   device_memory_mib: float) -> cost_pb2.ConsolidationRequest:
+    """The models file (JSON; format in costd/whatif/consolidation.py) as the request."""
+    data = json.loads(Path(path).read_text())
+    try:
+        models = [cost_pb2.ConsolidationModel(
+            name=str(m["name"]), profile=profile_of_json(m["profile"]),
+            curve=m["curve"] if isinstance(m["curve"], str) else "",
+            curve_json="" if isinstance(m["curve"], str) else json.dumps(m["curve"]),
+            memory_mib=float(m["memory_mib"]), load_s=float(m["load_s"]),
+            pinned=bool(m.get("pinned", False))) for m in data["models"]]
+    except (KeyError, TypeError, ValueError) as error:
+        raise typer.BadParameter(f"{path}: {error!r} (format: costd/whatif/consolidation.py)")
+    return cost_pb2.ConsolidationRequest(
+        models=models, scenario=scenario,
+        device_memory_mib=device_memory_mib or float(data.get("device_memory_mib", 0)))
+
+
+def print_consolidation(r: cost_pb2.ConsolidationResponse) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+    c = r.currency
+    per_model = Table(title="per model (own: dedicated devices; shared: pro rata to device time)",
+                      box=box.SIMPLE_HEAD)
+    for column in ("model", "own device-h", "own cost", f"own {c}/1M", "shared cost",
+                   f"shared {c}/1M", "loads", "loading s"):
+        per_model.add_column(column, justify="left" if column == "model" else "right")
+    for m in r.models:
+        per_model.add_row(m.name, f"{m.dedicated_device_hours:g}", m.dedicated_cost,
+                          m.dedicated_cost_per_million_tokens or "-", m.shared_cost,
+                          m.shared_cost_per_million_tokens or "-", str(m.loads),
+                          f"{m.loading_s:g}")
+    layouts = Table(title="layouts", box=box.SIMPLE_HEAD)
+    for column in ("layout", "feasible", "peak devices", "device-h", "utilisation", "cost",
+                   f"{c}/1M tokens", "loading s"):
+        layouts.add_column(column, justify="left" if column == "layout" else "right")
+    for name, layout in (("dedicated", r.dedicated), ("shared", r.shared)):
+        layouts.add_row(name, "yes" if layout.feasible else "NO", str(layout.devices_needed),
+                        f"{layout.device_hours:g}", f"{layout.utilisation:.1%}", layout.cost,
+                        layout.cost_per_million_tokens or "-", f"{layout.loading_s:g}")
+    console = Console(width=None if sys.stdout.isatty() else 110)
+    console.print(per_model, layouts)
+    for name, layout in (("dedicated", r.dedicated), ("shared", r.shared)):
+        console.print(f"{name} devices by hour: {' '.join(map(str, layout.devices_by_hour))}")
+        for reason in layout.reasons:
+            console.print(f"  - {reason}", markup=False)
+    if r.saving:
+        console.print(f"saving: {_money(r.saving, c)} ({r.saving_pct:.1f}% of dedicated); "
+                      f"cheaper: {r.cheaper}", markup=False)
+    else:
+        console.print(f"saving: - (a layout is infeasible); cheaper: {r.cheaper or 'neither'}")
+    for caveat in r.caveats:
+        console.print(f"note: {caveat}", markup=False)
+
+
+def whatif_consolidate(
+        models: str = typer.Option(..., help="models JSON file (format: costd/whatif/consolidation.py)"),
+        device: str = typer.Option("cpu", help="device: a100, h100, h200, cpu, or a device type"),
+        device_memory_mib: float = typer.Option(0.0, help="one device's memory, MiB; 0: the file's"),
+        costd: str = typer.Option(DEFAULT_COSTD, help="costd address"),
+        local: bool = typer.Option(False, "--local", help="answer here, without costd"),
+        price_per_hour: str = typer.Option("", help="decimal $/hour; empty: the price book's"),
+        max_batch: int = typer.Option(0, help="largest batch per device; 0: each curve's"),
+        max_devices: int = typer.Option(0, help="devices available to each layout; 0: no limit"),
+        target_utilisation: float = typer.Option(1.0, help="planned busy share, (0, 1]"),
+        autoscale: bool = typer.Option(False, help="devices follow each hour's demand"),
+        p95_slo_s: float = typer.Option(0.0, help="p95 latency target, s; 0: none"),
+        as_json: bool = typer.Option(False, "--json", help="print the answer as JSON")) -> None:
+    """k models sharing devices vs a device each: cost, device-hours, loading, saving."""
+    request = models_request(models, cost_pb2.Scenario(
+        device=device, price_per_hour=price_per_hour, max_batch=max_batch,
+        max_devices=max_devices, target_utilisation=target_utilisation, autoscale=autoscale,
+        p95_latency_slo_s=p95_slo_s), device_memory_mib)
+    if local:
+        response = _whatif_local(request, cost_pb2.ConsolidationResponse(), "--consolidation")
+    else:
+        with costd_channel(costd) as channel:
+            try:
+                response = cost_pb2_grpc.CostServiceStub(channel).WhatIfConsolidation(
+                    request, timeout=60)
+            except grpc.RpcError as error:
+                raise _fail(error)
+    if as_json:
+        typer.echo(json_format.MessageToJson(response))
+    else:
+        print_consolidation(response)
+
+
 def register(app: typer.Typer) -> None:
     app.command("bill")(bill)
     app.command("whatif")(whatif)
+    app.command("whatif-consolidate")(whatif_consolidate)

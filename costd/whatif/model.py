@@ -50,6 +50,7 @@ class WhatIfResult:
     tokens: float
     curve: str
     hours: tuple[HourResult, ...]
+    device_s_per_request: float  # at `concurrency`: busy device-s per second = rps × this
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,18 +144,18 @@ def what_if(profile: TrafficProfile, scenario: Scenario, curve: ThroughputCurve,
     prompt_cost = cost * Decimal(prefill_s / device_s)
     return WhatIfResult(
         feasible=feasible, reasons=tuple(reasons),
-        cost_per_million_tokens=_rate(cost, tokens),
-        prompt_cost_per_million_tokens=_rate(prompt_cost, prompt_tokens),
-        completion_cost_per_million_tokens=_rate(cost - prompt_cost, tokens - prompt_tokens),
-        cost_per_million_tokens_at_full_utilisation=_rate(price_per_hour, per_device * 3600),
+        cost_per_million_tokens=per_million(cost, tokens),
+        prompt_cost_per_million_tokens=per_million(prompt_cost, prompt_tokens),
+        completion_cost_per_million_tokens=per_million(cost - prompt_cost, tokens - prompt_tokens),
+        cost_per_million_tokens_at_full_utilisation=per_million(price_per_hour, per_device * 3600),
         cost=cost, devices_needed=needed, device_hours=device_hours,
         utilisation=busy_s / (device_hours * 3600) if device_hours else 0.0,
         p95_latency_s=p95_latency_s(curve, concurrency, request), concurrency=concurrency,
         tokens_per_s_per_device=per_device, tokens=tokens, curve=curve.name,
-        hours=tuple(hours))
+        hours=tuple(hours), device_s_per_request=device_s)
 
 
-def _rate(cost: Decimal, tokens: float) -> Decimal | None:
+def per_million(cost: Decimal, tokens: float) -> Decimal | None:
     if tokens <= 0:
         return None
     return (cost * 1_000_000 / Decimal(repr(tokens))).quantize(MICRO)

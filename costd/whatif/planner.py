@@ -1,4 +1,5 @@
-"""Answers a what-if: picks the curve and the price for a scenario, then runs the model."""
+"""Answers a what-if: picks the curve and the price for a scenario, then runs the model
+(one model: model.py; several sharing devices: consolidation.py)."""
 from __future__ import annotations
 
 import time
@@ -7,6 +8,7 @@ from decimal import Decimal
 
 from costd.pricebook import PriceBook
 from costd.whatif.curve import ThroughputCurve, parse_curve
+from costd.whatif.consolidation import ConsolidationResult, FieldError, ModelLoad, consolidate
 from costd.whatif.model import WhatIfResult, what_if
 from costd.whatif.profile import Scenario, TrafficProfile
 
@@ -44,3 +46,24 @@ class WhatIfPlanner:
         """Raises ValueError naming what is wrong with the question."""
         curve = parse_curve(curve_json) if curve_json else self.curve_for(scenario)
         return what_if(profile, scenario, curve, self.price_for(scenario))
+
+    def curve_named(self, name: str) -> ThroughputCurve:
+        for curve in self.curves:
+            if curve.name == name:
+                return curve
+        known = ", ".join(c.name for c in self.curves) or "none"
+        raise ValueError(f"no throughput curve named {name!r}; known: {known}")
+
+    def consolidate(self, models: Sequence[ModelLoad], scenario: Scenario,
+                    device_memory_mib: float) -> ConsolidationResult:
+        """Raises FieldError naming what is wrong with the question."""
+        device = self._device(scenario.device)
+        for i, m in enumerate(models):
+            if self._device(m.curve.device_type) != device:
+                raise FieldError(f"models[{i}].curve", f"{m.curve.name} was measured on "
+                                 f"{m.curve.device_type}, not {scenario.device}")
+        try:
+            price = self.price_for(scenario)
+        except ValueError as error:
+            raise FieldError("scenario.price_per_hour", str(error)) from error
+        return consolidate(models, scenario, price, device_memory_mib)

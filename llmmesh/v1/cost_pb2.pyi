@@ -375,3 +375,121 @@ class WhatIfResponse(_message.Message):
     curve: str
     hours: _containers.RepeatedCompositeFieldContainer[WhatIfHour]
     def __init__(self, feasible: _Optional[bool] = ..., reasons: _Optional[_Iterable[str]] = ..., currency: _Optional[str] = ..., cost_per_million_tokens: _Optional[str] = ..., prompt_cost_per_million_tokens: _Optional[str] = ..., completion_cost_per_million_tokens: _Optional[str] = ..., cost_per_million_tokens_at_full_utilisation: _Optional[str] = ..., cost: _Optional[str] = ..., devices_needed: _Optional[int] = ..., device_hours: _Optional[float] = ..., utilisation: _Optional[float] = ..., p95_latency_s: _Optional[float] = ..., concurrency: _Optional[int] = ..., tokens_per_s_per_device: _Optional[float] = ..., tokens: _Optional[float] = ..., curve: _Optional[str] = ..., hours: _Optional[_Iterable[_Union[WhatIfHour, _Mapping]]] = ...) -> None: ...
+
+class ConsolidationModel(_message.Message):
+    __slots__ = ("name", "profile", "curve", "curve_json", "memory_mib", "load_s", "pinned")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    CURVE_FIELD_NUMBER: _ClassVar[int]
+    CURVE_JSON_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    LOAD_S_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    profile: TrafficProfile
+    curve: str
+    curve_json: str
+    memory_mib: float
+    load_s: float
+    pinned: bool
+    def __init__(self, name: _Optional[str] = ..., profile: _Optional[_Union[TrafficProfile, _Mapping]] = ..., curve: _Optional[str] = ..., curve_json: _Optional[str] = ..., memory_mib: _Optional[float] = ..., load_s: _Optional[float] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class ConsolidationRequest(_message.Message):
+    __slots__ = ("models", "scenario", "device_memory_mib")
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    SCENARIO_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ConsolidationModel]
+    scenario: Scenario
+    device_memory_mib: float
+    def __init__(self, models: _Optional[_Iterable[_Union[ConsolidationModel, _Mapping]]] = ..., scenario: _Optional[_Union[Scenario, _Mapping]] = ..., device_memory_mib: _Optional[float] = ...) -> None: ...
+
+class ConsolidationLayout(_message.Message):
+    __slots__ = ("feasible", "reasons", "cost", "devices_needed", "device_hours", "utilisation", "cost_per_million_tokens", "loading_s", "devices_by_hour")
+    FEASIBLE_FIELD_NUMBER: _ClassVar[int]
+    REASONS_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_NEEDED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_HOURS_FIELD_NUMBER: _ClassVar[int]
+    UTILISATION_FIELD_NUMBER: _ClassVar[int]
+    COST_PER_MILLION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOADING_S_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_BY_HOUR_FIELD_NUMBER: _ClassVar[int]
+    feasible: bool
+    reasons: _containers.RepeatedScalarFieldContainer[str]
+    cost: str
+    devices_needed: int
+    device_hours: float
+    utilisation: float
+    cost_per_million_tokens: str
+    loading_s: float
+    devices_by_hour: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, feasible: _Optional[bool] = ..., reasons: _Optional[_Iterable[str]] = ..., cost: _Optional[str] = ..., devices_needed: _Optional[int] = ..., device_hours: _Optional[float] = ..., utilisation: _Optional[float] = ..., cost_per_million_tokens: _Optional[str] = ..., loading_s: _Optional[float] = ..., devices_by_hour: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ConsolidationModelResult(_message.Message):
+    __slots__ = ("name", "curve", "tokens", "concurrency", "p95_latency_s", "busy_s", "dedicated_cost", "dedicated_device_hours", "dedicated_cost_per_million_tokens", "shared_cost", "shared_cost_per_million_tokens", "loads", "loading_s")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CURVE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONCURRENCY_FIELD_NUMBER: _ClassVar[int]
+    P95_LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    DEDICATED_COST_FIELD_NUMBER: _ClassVar[int]
+    DEDICATED_DEVICE_HOURS_FIELD_NUMBER: _ClassVar[int]
+    DEDICATED_COST_PER_MILLION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_COST_FIELD_NUMBER: _ClassVar[int]
+    SHARED_COST_PER_MILLION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
+    LOADING_S_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    curve: str
+    tokens: float
+    concurrency: int
+    p95_latency_s: float
+    busy_s: float
+    dedicated_cost: str
+    dedicated_device_hours: float
+    dedicated_cost_per_million_tokens: str
+    shared_cost: str
+    shared_cost_per_million_tokens: str
+    loads: int
+    loading_s: float
+    def __init__(self, name: _Optional[str] = ..., curve: _Optional[str] = ..., tokens: _Optional[float] = ..., concurrency: _Optional[int] = ..., p95_latency_s: _Optional[float] = ..., busy_s: _Optional[float] = ..., dedicated_cost: _Optional[str] = ..., dedicated_device_hours: _Optional[float] = ..., dedicated_cost_per_million_tokens: _Optional[str] = ..., shared_cost: _Optional[str] = ..., shared_cost_per_million_tokens: _Optional[str] = ..., loads: _Optional[int] = ..., loading_s: _Optional[float] = ...) -> None: ...
+
+class ConsolidationHour(_message.Message):
+    __slots__ = ("hour", "dedicated_devices", "shared_devices", "busy_devices", "loading_s", "loaded")
+    HOUR_FIELD_NUMBER: _ClassVar[int]
+    DEDICATED_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    BUSY_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    LOADING_S_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    hour: int
+    dedicated_devices: int
+    shared_devices: int
+    busy_devices: float
+    loading_s: float
+    loaded: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, hour: _Optional[int] = ..., dedicated_devices: _Optional[int] = ..., shared_devices: _Optional[int] = ..., busy_devices: _Optional[float] = ..., loading_s: _Optional[float] = ..., loaded: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ConsolidationResponse(_message.Message):
+    __slots__ = ("currency", "dedicated", "shared", "models", "hours", "saving", "saving_pct", "cheaper", "caveats")
+    CURRENCY_FIELD_NUMBER: _ClassVar[int]
+    DEDICATED_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    HOURS_FIELD_NUMBER: _ClassVar[int]
+    SAVING_FIELD_NUMBER: _ClassVar[int]
+    SAVING_PCT_FIELD_NUMBER: _ClassVar[int]
+    CHEAPER_FIELD_NUMBER: _ClassVar[int]
+    CAVEATS_FIELD_NUMBER: _ClassVar[int]
+    currency: str
+    dedicated: ConsolidationLayout
+    shared: ConsolidationLayout
+    models: _containers.RepeatedCompositeFieldContainer[ConsolidationModelResult]
+    hours: _containers.RepeatedCompositeFieldContainer[ConsolidationHour]
+    saving: str
+    saving_pct: float
+    cheaper: str
+    caveats: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, currency: _Optional[str] = ..., dedicated: _Optional[_Union[ConsolidationLayout, _Mapping]] = ..., shared: _Optional[_Union[ConsolidationLayout, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ConsolidationModelResult, _Mapping]]] = ..., hours: _Optional[_Iterable[_Union[ConsolidationHour, _Mapping]]] = ..., saving: _Optional[str] = ..., saving_pct: _Optional[float] = ..., cheaper: _Optional[str] = ..., caveats: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -57,6 +57,11 @@ class CostServiceStub:
                 request_serializer=llmmesh_dot_v1_dot_cost__pb2.WhatIfRequest.SerializeToString,
                 response_deserializer=llmmesh_dot_v1_dot_cost__pb2.WhatIfResponse.FromString,
                 _registered_method=True)
+        self.WhatIfConsolidation = channel.unary_unary(
+                '/llmmesh.v1.CostService/WhatIfConsolidation',
+                request_serializer=llmmesh_dot_v1_dot_cost__pb2.ConsolidationRequest.SerializeToString,
+                response_deserializer=llmmesh_dot_v1_dot_cost__pb2.ConsolidationResponse.FromString,
+                _registered_method=True)
 
 
 class CostServiceServicer:
@@ -93,6 +98,14 @@ class CostServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WhatIfConsolidation(self, request, context):
+        """k models sharing devices vs devices of their own, over their hourly profiles, from each
+        model's curve, memory and measured load time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CostServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +128,11 @@ def add_CostServiceServicer_to_server(servicer, server):
                     servicer.WhatIf,
                     request_deserializer=llmmesh_dot_v1_dot_cost__pb2.WhatIfRequest.FromString,
                     response_serializer=llmmesh_dot_v1_dot_cost__pb2.WhatIfResponse.SerializeToString,
+            ),
+            'WhatIfConsolidation': grpc.unary_unary_rpc_method_handler(
+                    servicer.WhatIfConsolidation,
+                    request_deserializer=llmmesh_dot_v1_dot_cost__pb2.ConsolidationRequest.FromString,
+                    response_serializer=llmmesh_dot_v1_dot_cost__pb2.ConsolidationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -228,6 +246,33 @@ class CostService:
             '/llmmesh.v1.CostService/WhatIf',
             llmmesh_dot_v1_dot_cost__pb2.WhatIfRequest.SerializeToString,
             llmmesh_dot_v1_dot_cost__pb2.WhatIfResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WhatIfConsolidation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/llmmesh.v1.CostService/WhatIfConsolidation',
+            llmmesh_dot_v1_dot_cost__pb2.ConsolidationRequest.SerializeToString,
+            llmmesh_dot_v1_dot_cost__pb2.ConsolidationResponse.FromString,
             options,
             channel_credentials,
             insecure,
