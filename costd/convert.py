@@ -26,7 +26,8 @@ IDLE_POLICIES = {cost_pb2.IDLE_POLICY_UNUSED: IdlePolicy.UNUSED,
                  cost_pb2.IDLE_POLICY_PRO_RATA: IdlePolicy.PRO_RATA}
 TOKEN_KINDS = {TokenKind.PROMPT: cost_pb2.TOKEN_KIND_PROMPT,
                TokenKind.COMPLETION: cost_pb2.TOKEN_KIND_COMPLETION,
-               TokenKind.IDLE: cost_pb2.TOKEN_KIND_IDLE}
+               TokenKind.IDLE: cost_pb2.TOKEN_KIND_IDLE,
+               TokenKind.LOADING: cost_pb2.TOKEN_KIND_LOADING}
 
 
 def time_range_ns(start_unix_s: float, end_unix_s: float,
@@ -74,7 +75,8 @@ def invoice_proto(invoice: Invoice) -> cost_pb2.Invoice:
         cached_prompt_tokens=invoice.num_cached_prompt_tokens,
         completion_tokens=invoice.num_completion_tokens,
         prompt_cost=money(invoice.prompt_cost), completion_cost=money(invoice.completion_cost),
-        idle_cost=money(invoice.idle_cost), total=money(invoice.total),
+        idle_cost=money(invoice.idle_cost), loading_cost=money(invoice.loading_cost),
+        total=money(invoice.total),
         amount_due=money(invoice.amount_due),
         prompt_cost_per_million_tokens=money(invoice.prompt_cost_per_million),
         completion_cost_per_million_tokens=money(invoice.completion_cost_per_million))
@@ -86,7 +88,8 @@ def _device_proto(d: DeviceReconciliation) -> cost_pb2.DeviceReconciliation:
         idle_ns=d.idle_ns, capacity_cost=money(d.capacity_cost),
         attributed_cost=money(d.attributed_cost),
         idle_allocated_cost=money(d.idle_allocated_cost),
-        idle_unallocated_cost=money(d.idle_unallocated_cost))
+        idle_unallocated_cost=money(d.idle_unallocated_cost),
+        loading_ns=d.loading_ns, loading_cost=money(d.loading_cost))
 
 
 def invoice_response(result: InvoiceSet) -> cost_pb2.GetInvoiceResponse:

@@ -808,7 +808,7 @@ class OpenAIFront:
             stream = TextStream(model.tokenizer, stop)
             text = stream.push(r["token_ids"]) + stream.flush()
             shape = Shape(Options(chat=chat), model, r["request_id"])
-            final = FinalOut(r["request_id"], "batch", r["finish_reason"], r["usage"])
+            final = FinalOut(r["request_id"], RequestClass.BATCH, r["finish_reason"], r["usage"])
             line["response"] = {"status_code": 200, "request_id": r["request_id"],
                                 "body": shape.whole(text, r["token_ids"], [], final)}
             line["error"] = None

@@ -106,11 +106,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def StreamBatchResults(self, request, context):
         tenant = self.tenants.authenticate(context.invocation_metadata())
-        tokenizer = self.models[self.default_model].tokenizer
         async for r in self.batch_jobs.results(tenant, request.job_id):
+            # Each item is decoded by its own model's tokenizer (results written before the
+            # model was recorded are the default model's: the only one there was).
+            # A model since removed from the catalog has no tokenizer here: its token ids only.
+            model = self.models.get(r.get("model") or self.default_model)
             result = gateway_pb2.BatchResult(
                 index=r["index"], request_id=r["request_id"], token_ids=r["token_ids"],
-                text=tokenizer.decode(r["token_ids"]) if r["token_ids"] else "",
+                text=model.tokenizer.decode(r["token_ids"]) if r["token_ids"] and model else "",
                 error_code=r["error_code"], error_message=r["error_message"])
             if not r["error_code"]:
                 result.final.CopyFrom(_final_proto(FinalOut(

@@ -125,7 +125,8 @@ def print_invoices(response: cost_pb2.GetInvoiceResponse) -> None:
                    f"+ {r.unused_cost})")
         for d in r.devices:
             typer.echo(f"  {d.device}: up {d.capacity_ns / 3.6e12:.6f} device-h, used "
-                       f"{d.attributed_ns / 3.6e12:.6f}, idle {d.idle_ns / 3.6e12:.6f}")
+                       f"{d.attributed_ns / 3.6e12:.6f}, loading models "
+                       f"{d.loading_ns / 3.6e12:.6f}, idle {d.idle_ns / 3.6e12:.6f}")
     for warning in response.warnings:
         typer.echo(f"warning: {warning}", err=True)
 

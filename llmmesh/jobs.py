@@ -42,11 +42,12 @@ class JobResults:
 
     async def record(self, job_id: str, index: int, request_id: str, *, token_ids: list[int],
                      finish_reason: str = "", usage: dict | None = None, error_code: str = "",
-                     error_message: str = "") -> bool:
+                     error_message: str = "", model: str = "") -> bool:
         usage = usage or {}
+        # The model goes with the tokens: only its tokenizer can turn them into text.
         body = {"index": index, "request_id": request_id, "token_ids": token_ids,
-                "finish_reason": finish_reason, "usage": usage, "error_code": error_code,
-                "error_message": error_message}
+                "model": model, "finish_reason": finish_reason, "usage": usage,
+                "error_code": error_code, "error_message": error_message}
         return bool(await self._record(
             keys=[job_key(job_id), job_results_key(job_id)],
             args=[index, json.dumps(body), 0 if error_code else 1,

@@ -260,7 +260,7 @@ class Dispatcher:
                 # job's totals, since they are billed.
                 outcome = {**outcome, "error_code": "CANCELLED",
                            "error_message": f"cancelled after {len(p.delivered)} tokens"}
-            await self.jobs.record(e.job_id, e.job_index, e.request_id,
+            await self.jobs.record(e.job_id, e.job_index, e.request_id, model=e.model,
                                    token_ids=p.delivered, **outcome)
         if e.reservation:
             used = len(e.prompt_token_ids) + len(p.delivered) if billed else 0

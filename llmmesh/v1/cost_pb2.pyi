@@ -27,6 +27,7 @@ class TokenKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TOKEN_KIND_PROMPT: _ClassVar[TokenKind]
     TOKEN_KIND_COMPLETION: _ClassVar[TokenKind]
     TOKEN_KIND_IDLE: _ClassVar[TokenKind]
+    TOKEN_KIND_LOADING: _ClassVar[TokenKind]
 
 class ExportSchema(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -53,6 +54,7 @@ TOKEN_KIND_UNSPECIFIED: TokenKind
 TOKEN_KIND_PROMPT: TokenKind
 TOKEN_KIND_COMPLETION: TokenKind
 TOKEN_KIND_IDLE: TokenKind
+TOKEN_KIND_LOADING: TokenKind
 EXPORT_SCHEMA_UNSPECIFIED: ExportSchema
 EXPORT_SCHEMA_FOCUS: ExportSchema
 EXPORT_SCHEMA_INVOICE_LINES: ExportSchema
@@ -141,7 +143,7 @@ class InvoiceLine(_message.Message):
     def __init__(self, period_start_unix_s: _Optional[float] = ..., period_end_unix_s: _Optional[float] = ..., model: _Optional[str] = ..., request_class: _Optional[str] = ..., device: _Optional[str] = ..., token_kind: _Optional[_Union[TokenKind, str]] = ..., requests: _Optional[int] = ..., tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., device_ns: _Optional[int] = ..., cost: _Optional[str] = ..., list_cost: _Optional[str] = ..., cost_per_million_tokens: _Optional[str] = ...) -> None: ...
 
 class Invoice(_message.Message):
-    __slots__ = ("tenant_id", "lines", "requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "prompt_cost", "completion_cost", "idle_cost", "total", "amount_due", "prompt_cost_per_million_tokens", "completion_cost_per_million_tokens")
+    __slots__ = ("tenant_id", "lines", "requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "prompt_cost", "completion_cost", "idle_cost", "total", "amount_due", "prompt_cost_per_million_tokens", "completion_cost_per_million_tokens", "loading_cost")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     LINES_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +157,7 @@ class Invoice(_message.Message):
     AMOUNT_DUE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_COST_PER_MILLION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_COST_PER_MILLION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOADING_COST_FIELD_NUMBER: _ClassVar[int]
     tenant_id: str
     lines: _containers.RepeatedCompositeFieldContainer[InvoiceLine]
     requests: int
@@ -168,10 +171,11 @@ class Invoice(_message.Message):
     amount_due: str
     prompt_cost_per_million_tokens: str
     completion_cost_per_million_tokens: str
-    def __init__(self, tenant_id: _Optional[str] = ..., lines: _Optional[_Iterable[_Union[InvoiceLine, _Mapping]]] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., prompt_cost: _Optional[str] = ..., completion_cost: _Optional[str] = ..., idle_cost: _Optional[str] = ..., total: _Optional[str] = ..., amount_due: _Optional[str] = ..., prompt_cost_per_million_tokens: _Optional[str] = ..., completion_cost_per_million_tokens: _Optional[str] = ...) -> None: ...
+    loading_cost: str
+    def __init__(self, tenant_id: _Optional[str] = ..., lines: _Optional[_Iterable[_Union[InvoiceLine, _Mapping]]] = ..., requests: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., prompt_cost: _Optional[str] = ..., completion_cost: _Optional[str] = ..., idle_cost: _Optional[str] = ..., total: _Optional[str] = ..., amount_due: _Optional[str] = ..., prompt_cost_per_million_tokens: _Optional[str] = ..., completion_cost_per_million_tokens: _Optional[str] = ..., loading_cost: _Optional[str] = ...) -> None: ...
 
 class DeviceReconciliation(_message.Message):
-    __slots__ = ("device", "capacity_ns", "attributed_ns", "idle_ns", "capacity_cost", "attributed_cost", "idle_allocated_cost", "idle_unallocated_cost")
+    __slots__ = ("device", "capacity_ns", "attributed_ns", "idle_ns", "capacity_cost", "attributed_cost", "idle_allocated_cost", "idle_unallocated_cost", "loading_ns", "loading_cost")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_NS_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTED_NS_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +184,8 @@ class DeviceReconciliation(_message.Message):
     ATTRIBUTED_COST_FIELD_NUMBER: _ClassVar[int]
     IDLE_ALLOCATED_COST_FIELD_NUMBER: _ClassVar[int]
     IDLE_UNALLOCATED_COST_FIELD_NUMBER: _ClassVar[int]
+    LOADING_NS_FIELD_NUMBER: _ClassVar[int]
+    LOADING_COST_FIELD_NUMBER: _ClassVar[int]
     device: str
     capacity_ns: int
     attributed_ns: int
@@ -188,7 +194,9 @@ class DeviceReconciliation(_message.Message):
     attributed_cost: str
     idle_allocated_cost: str
     idle_unallocated_cost: str
-    def __init__(self, device: _Optional[str] = ..., capacity_ns: _Optional[int] = ..., attributed_ns: _Optional[int] = ..., idle_ns: _Optional[int] = ..., capacity_cost: _Optional[str] = ..., attributed_cost: _Optional[str] = ..., idle_allocated_cost: _Optional[str] = ..., idle_unallocated_cost: _Optional[str] = ...) -> None: ...
+    loading_ns: int
+    loading_cost: str
+    def __init__(self, device: _Optional[str] = ..., capacity_ns: _Optional[int] = ..., attributed_ns: _Optional[int] = ..., idle_ns: _Optional[int] = ..., capacity_cost: _Optional[str] = ..., attributed_cost: _Optional[str] = ..., idle_allocated_cost: _Optional[str] = ..., idle_unallocated_cost: _Optional[str] = ..., loading_ns: _Optional[int] = ..., loading_cost: _Optional[str] = ...) -> None: ...
 
 class WorkerCapacity(_message.Message):
     __slots__ = ("device", "worker_id", "uptime_ns")

@@ -47,7 +47,7 @@ kv_cache_mib = 64
 description = "generated for the tests"
 ''')
     m = Mesh(var_dir=str(var), gateway_args=["--catalog", str(catalog)])
-    m.catalog = str(catalog)
+    m.catalog, m.tiny = str(catalog), tiny
     try:
         asyncio.run(m.up(num_workers=0, timeout_s=240))
         common = ["--catalog", str(catalog), "--max-num-seqs", "4"]
@@ -134,6 +134,22 @@ def test_each_model_answers_as_itself_and_is_billed_as_itself(mesh, stub):
         rows = wait_until(lambda: ledger_rows(mesh, final.request_id, BILL_COLUMNS), 20,
                           what=f"{model}'s bill")
         assert rows == [(model, final.usage.prompt_tokens, len(ids))]
+
+
+def test_a_batch_job_over_two_models_decodes_each_result_with_its_own_tokenizer(mesh, stub):
+    from llmmesh.tokenizer import Tokenizer
+    job = stub.SubmitBatch(gateway_pb2.SubmitBatchRequest(
+        requests=[request(INT4, 6, rid="int4-item"), request(TINY, 6, rid="tiny-item")]),
+        metadata=auth(DEMO_KEYS["acme"]), timeout=30).job
+    results = {r.index: r for r in stub.StreamBatchResults(
+        gateway_pb2.StreamBatchResultsRequest(job_id=job.job_id),
+        metadata=auth(DEMO_KEYS["acme"]), timeout=240)}
+    tiny = Tokenizer.from_gguf(mesh.tiny)
+    int4, generated = results[0], results[1]
+    assert not int4.error_code and not generated.error_code and generated.token_ids
+    assert generated.text == tiny.decode(list(generated.token_ids))
+    # The default model's tokenizer reads the generated model's ids as other text.
+    assert int4.text != tiny.decode(list(int4.token_ids))
 
 
 def test_a_budget_too_small_for_both_unloads_the_idle_model_and_no_request_fails(mesh, stub):

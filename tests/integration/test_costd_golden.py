@@ -3,7 +3,8 @@
 The bill is checkable by hand (tests/golden/costd/prices.toml: cpu $0.001/s, a100 $4/h):
 acme = 1.5 + 6 cpu-s + 36 + 360 a100-s = $0.0015 + $0.006 + $0.04 + $0.40 = $0.4475 → $0.45;
 globex = 0.314 + 0.556 cpu-s + 7.2 + 72 a100-s = $0.08887 → $0.09; capacity = 5,400 cpu-s +
-7,200 a100-s = $5.40 + $8.00 = $13.40 = tenants + unused. Set LLMMESH_UPDATE_GOLDEN=1 to
+7,200 a100-s = $5.40 + $8.00 = $13.40 = tenants + unused, where unused holds the 360 a100-s
+w-gpu spent loading models ($0.40, a line of its own). Set LLMMESH_UPDATE_GOLDEN=1 to
 rewrite the expected files after an intended change (then review the diff).
 """
 from __future__ import annotations
@@ -91,6 +92,10 @@ def test_fleet_invoice_is_golden_and_adds_up_by_hand(costd):
     assert {(w.worker_id, w.uptime_ns) for w in r.workers} == {("w-cpu", 5400 * 10**9),
                                                               ("w-gpu", 7200 * 10**9)}
     assert any("'cuda:Tesla-T4' is not in the price book" in w for w in response.warnings)
+    a100 = next(d for d in r.devices if d.device == "a100")
+    assert (a100.loading_ns, a100.loading_cost) == (360 * 10**9, "0.400000000")
+    assert a100.idle_ns == a100.capacity_ns - a100.attributed_ns - a100.loading_ns
+    assert all(i.loading_cost == "0" for i in response.invoices)   # nobody's under "unused"
 
 
 def test_pro_rata_invoice_is_golden_and_bills_all_capacity(costd):
@@ -99,6 +104,8 @@ def test_pro_rata_invoice_is_golden_and_bills_all_capacity(costd):
     r = response.reconciliation
     assert Decimal(r.tenants_cost) + Decimal(r.unused_cost) == Decimal(r.capacity_cost)
     assert Decimal(r.unused_cost) == 0  # every period with capacity had a tenant
+    # Loading is shared like idle: the tenants' shares add up to its $0.40.
+    assert sum(Decimal(i.loading_cost) for i in response.invoices) == Decimal("0.4")
 
 
 def test_one_tenant_sees_only_its_own_invoice(costd):
