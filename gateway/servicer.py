@@ -23,7 +23,8 @@ def _final_proto(out: FinalOut) -> gateway_pb2.GenerateFinal:
             prompt_tokens=u.get("prompt_tokens", 0), cached_prompt_tokens=u.get("cached_prompt_tokens", 0),
             completion_tokens=u.get("completion_tokens", 0),
             prefill_device_seconds=u.get("prefill_device_s", 0.0),
-            decode_device_seconds=u.get("decode_device_s", 0.0), queue_seconds=u.get("queue_s", 0.0)))
+            decode_device_seconds=u.get("decode_device_s", 0.0), queue_seconds=u.get("queue_s", 0.0),
+            prefill_seconds=u.get("prefill_s", 0.0)))
 
 
 def _deadline_unix_ns(context) -> int:

@@ -46,6 +46,7 @@ class RequestProgress:
     prefill_device_s: float = 0.0
     decode_device_s: float = 0.0
     queue_s: float = 0.0
+    prefill_s: float = 0.0   # the first attempt's: the wall time its prefill took
     attempts: int = 0
     worker_ids: list[str] = field(default_factory=list)
     cancelled: bool = False
@@ -61,7 +62,7 @@ class RequestProgress:
                 "cached_prompt_tokens": self.cached_prompt_tokens,
                 "completion_tokens": len(self.delivered),
                 "prefill_device_s": self.prefill_device_s, "decode_device_s": self.decode_device_s,
-                "queue_s": self.queue_s}
+                "queue_s": self.queue_s, "prefill_s": self.prefill_s}
 
 
 def read_result_stream(events) -> tuple[list[int], dict | None, dict | None]:
@@ -93,6 +94,8 @@ def apply_stream_state(p: RequestProgress, delivered: list[int], end: dict | Non
         if not p.cached_prompt_tokens:
             p.cached_prompt_tokens = min(u.get("cached_prompt_tokens", 0),
                                          len(p.entry.prompt_token_ids))
+        if not p.prefill_s:
+            p.prefill_s = u.get("prefill_s", 0.0)
     elif len(delivered) >= p.entry.sampling["max_tokens"]:
         p.end_reason = FinishReason.LENGTH
 
@@ -160,6 +163,7 @@ async def run_attempt(p: RequestProgress, worker: WorkerHandle, redis: aioredis.
                     # From enqueue, not from the worker's arrival: a wait in the queue or in
                     # the router must show in the client's usage and in the bill.
                     p.queue_s = queue_wait_s(p.entry, sent_unix_ns) + u.queue_seconds
+                    p.prefill_s = u.prefill_seconds
                 # Ended: a later sync must not count the last chunk's end marker again.
                 p.end_reason = FinishReason.from_proto(msg.final.finish_reason)
                 return p.end_reason

@@ -28,7 +28,8 @@ def _end_marker(reason: str, usage) -> dict:
     return {"finish_reason": FinishReason.of(reason).value,
             "usage": {"cached_prompt_tokens": usage.cached_prompt_tokens,
                       "prefill_device_s": usage.prefill_device_s,
-                      "decode_device_s": usage.decode_device_s, "queue_s": usage.queue_s}}
+                      "decode_device_s": usage.decode_device_s, "queue_s": usage.queue_s,
+                      "prefill_s": usage.prefill_s}}
 
 
 class StopStringMatcher:
@@ -188,7 +189,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 prompt_tokens=usage.prompt_tokens, cached_prompt_tokens=usage.cached_prompt_tokens,
                 completion_tokens=usage.completion_tokens,
                 prefill_device_seconds=usage.prefill_device_s,
-                decode_device_seconds=usage.decode_device_s, queue_seconds=usage.queue_s)))
+                decode_device_seconds=usage.decode_device_s, queue_seconds=usage.queue_s,
+                prefill_seconds=usage.prefill_s)))
 
     async def Abort(self, request, context):
         return worker_pb2.AbortResponse(aborted=self.engine.abort(request.request_id))

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17llmmesh/v1/common.proto\x12\nllmmesh.v1\"\xa7\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokensB\x07\n\x05_seed\"\xad\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x1e\n\x16prefill_device_seconds\x18\x04 \x01(\x01\x12\x1d\n\x15\x64\x65\x63ode_device_seconds\x18\x05 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x06 \x01(\x01*e\n\x0cRequestClass\x12\x1d\n\x19REQUEST_CLASS_UNSPECIFIED\x10\x00\x12\x1d\n\x19REQUEST_CLASS_INTERACTIVE\x10\x01\x12\x17\n\x13REQUEST_CLASS_BATCH\x10\x02*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17llmmesh/v1/common.proto\x12\nllmmesh.v1\"\xa7\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x42\r\n\x0b_max_tokensB\x07\n\x05_seed\"\xc6\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x1e\n\x16prefill_device_seconds\x18\x04 \x01(\x01\x12\x1d\n\x15\x64\x65\x63ode_device_seconds\x18\x05 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x06 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x07 \x01(\x01*e\n\x0cRequestClass\x12\x1d\n\x19REQUEST_CLASS_UNSPECIFIED\x10\x00\x12\x1d\n\x19REQUEST_CLASS_INTERACTIVE\x10\x01\x12\x17\n\x13REQUEST_CLASS_BATCH\x10\x02*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmmesh.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REQUESTCLASS']._serialized_start=385
-  _globals['_REQUESTCLASS']._serialized_end=486
-  _globals['_FINISHREASON']._serialized_start=488
-  _globals['_FINISHREASON']._serialized_end=612
+  _globals['_REQUESTCLASS']._serialized_start=410
+  _globals['_REQUESTCLASS']._serialized_end=511
+  _globals['_FINISHREASON']._serialized_start=513
+  _globals['_FINISHREASON']._serialized_end=637
   _globals['_SAMPLINGPARAMS']._serialized_start=40
   _globals['_SAMPLINGPARAMS']._serialized_end=207
   _globals['_USAGE']._serialized_start=210
-  _globals['_USAGE']._serialized_end=383
+  _globals['_USAGE']._serialized_end=408
 # @@protoc_insertion_point(module_scope)

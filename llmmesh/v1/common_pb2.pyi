@@ -46,17 +46,19 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "prefill_device_seconds", "decode_device_seconds", "queue_seconds")
+    __slots__ = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "prefill_device_seconds", "decode_device_seconds", "queue_seconds", "prefill_seconds")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_DEVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_DEVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_prompt_tokens: int
     completion_tokens: int
     prefill_device_seconds: float
     decode_device_seconds: float
     queue_seconds: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., prefill_device_seconds: _Optional[float] = ..., decode_device_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
+    prefill_seconds: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., prefill_device_seconds: _Optional[float] = ..., decode_device_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...

@@ -1,12 +1,11 @@
 """Bursts of mixed interactive and batch requests from two tenants (the shape that stalled one
 request for 15 s when both queues' entries shared a stream id), measured as TTFT beyond what
-its usage explains (queue time from enqueue + its own prefill device time).
-
-The issue's bound is 1 s; it is not met yet, and this asserts only 8 s (the takeover-shaped
-stall was 15 s): on 2 cores a batch request admitted into the worker's running batch waits
-there while interactive prompts take the steps (by design), 2.5-3.5 s in a 60-wide burst, and
-usage does not show that wait (queue_seconds ends at admission). Interactive requests stayed
-under 1.6 s unexplained. `make test`: 2 bursts; `make chaos`: 20 (LLMMESH_CHAOS_SCALE=5 → 4 × 5)."""
+its usage explains: queue time from enqueue, then the prefill's wall time (usage's
+prefill_seconds: from the request's first engine step to its first token, steps that served
+other requests meanwhile included — on 2 cores a batch request admitted into a 60-wide running
+batch waits 2.5-3.5 s there while interactive prompts take the steps, by design, and before
+that field usage did not show the wait). What is left is the network and the mesh's hops; the
+issue's bound is 1 s. `make test`: 2 bursts; `make chaos`: 20 (LLMMESH_CHAOS_SCALE=5 → 4 × 5)."""
 from __future__ import annotations
 
 import asyncio
@@ -43,27 +42,30 @@ def test_bursts_of_mixed_requests_have_no_unexplained_stall(tmp_path):
                     first = time.perf_counter() - sent
                 if msg.HasField("final"):
                     u = msg.final.usage
-                    return first, first - u.queue_seconds - u.prefill_device_seconds
+                    return first, first - u.queue_seconds - u.prefill_seconds, batch
             raise AssertionError("no final")
 
         # Warm first: the very first forward passes after start took 3.7 s here (queue 0.02 s),
         # a cold start this test is not about.
         with ThreadPoolExecutor(PER_BURST) as pool:
             list(pool.map(one, range(8)))
-        worst, worst_unexplained = 0.0, 0.0
+        worst, worst_unexplained, results = 0.0, 0.0, []
         with ThreadPoolExecutor(PER_BURST) as pool:
             for _ in range(BURSTS):
-                results = list(pool.map(one, range(PER_BURST)))
-                worst = max(worst, max(r[0] for r in results))
-                worst_unexplained = max(worst_unexplained, max(r[1] for r in results))
+                results += pool.map(one, range(PER_BURST))
+        worst = max(r[0] for r in results)
+        worst_unexplained = max(r[1] for r in results)
+        by_class = {c: max(r[1] for r in results if r[2] == (c == "batch"))
+                    for c in ("interactive", "batch")}
         channel.close()
         print(f"\n  {BURSTS} bursts of {PER_BURST}: worst TTFT {worst:.2f} s, worst unexplained by "
-              f"usage {worst_unexplained:.3f} s")
+              f"usage {worst_unexplained:.3f} s (interactive {by_class['interactive']:.3f}, batch "
+              f"{by_class['batch']:.3f})")
         if os.environ.get("LLMMESH_CHAOS_REPORT"):
             with open(os.environ["LLMMESH_CHAOS_REPORT"], "a") as f:
                 f.write(f"\nBursts: {BURSTS} bursts of {PER_BURST} mixed requests (1 in 3 batch), "
                         f"worst TTFT {worst:.2f} s, worst TTFT beyond what usage explains "
                         f"{worst_unexplained:.3f} s (the issue's bound: 1 s).\n")
-        assert worst_unexplained < 8.0
+        assert worst_unexplained < 1.0
     finally:
         mesh.down()

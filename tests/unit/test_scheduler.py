@@ -303,3 +303,21 @@ def test_the_first_batch_request_always_advances_even_over_budget():
     _teach(scheduler, fixed=0.004, per_token=0.001, per_kkey=0.002)
     add(scheduler, "chat", 5, priority=I, arrival=10, first_token=30000)
     assert plan(scheduler.schedule()) == [("b0", 1), ("chat", 5)]
+
+
+def test_usage_reports_the_prefill_s_wall_time_beside_its_device_time(monkeypatch):
+    import time as time_module
+    clock = [100.0]
+    monkeypatch.setattr(time_module, "monotonic", lambda: clock[0])
+    scheduler = make_scheduler(budget=8)
+    add(scheduler, "short", 3, arrival=99.0, max_tokens=1)   # prefilled in one step
+    add(scheduler, "long", 12, arrival=99.0, max_tokens=1)   # two prefill chunks
+    _, first = step(scheduler, step_s=0.5)                    # both admitted at 100
+    clock[0] = 105.0                                          # other work took the device
+    _, outputs = step(scheduler, step_s=0.5)
+    (final,) = [o for o in outputs if o.request_id == "long"]
+    # Its share of device time is what it used; the client waited the wall time.
+    assert (final.usage.queue_s, final.usage.prefill_s) == (1.0, 5.0)
+    assert 0 < final.usage.prefill_device_s < final.usage.prefill_s
+    (short,) = [o for o in first if o.request_id == "short"]
+    assert short.finished and short.usage.prefill_s == 0.0   # first token in its first step

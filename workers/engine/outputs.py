@@ -13,6 +13,9 @@ class RequestUsage:
     decode_device_s: float
     queue_s: float                      # arrival to first admission into the running batch
     num_preemptions: int = 0
+    # Wall seconds from first admission to the first token: the prefill as the client waited
+    # for it, steps given to other requests meanwhile included (prefill_device_s is its share).
+    prefill_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,7 +46,7 @@ class Request:
                  "_all_token_ids", "sampling_params", "priority", "cache_salt", "block_size",
                  "block_hashes", "block_ids", "num_computed_tokens", "num_cached_tokens",
                  "status", "arrival_time", "arrival_index", "first_scheduled_time",
-                 "prefill_device_s", "decode_device_s", "num_preemptions")
+                 "first_token_time", "prefill_device_s", "decode_device_s", "num_preemptions")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, block_size: int,
@@ -69,6 +69,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.arrival_index = next(_arrival_counter)
         self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
         self.prefill_device_s = 0.0
         self.decode_device_s = 0.0
         self.num_preemptions = 0
@@ -97,6 +98,8 @@ class Request:
         return (self.priority, self.arrival_time, self.arrival_index)
 
     def append_output_token_id(self, token_id: int, logprob: float | None = None) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)

@@ -280,10 +280,12 @@ class Scheduler:
     @staticmethod
     def _usage(request: Request) -> RequestUsage:
         admitted = request.first_scheduled_time or time.monotonic()
+        first_token = request.first_token_time
         return RequestUsage(request.num_prompt_tokens, request.num_cached_tokens,
                             request.num_output_tokens, request.prefill_device_s,
                             request.decode_device_s, admitted - request.arrival_time,
-                            request.num_preemptions)
+                            request.num_preemptions,
+                            first_token - admitted if first_token is not None else 0.0)
 
     def reset_statistics(self) -> None:
         """Forget the prefix-cache hit counters (after a warm-up run)."""
