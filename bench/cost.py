@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 
 from llmmesh import mtls
+from llmmesh.apikeys import DEMO_ADMIN_KEY, read_admin_key
 from llmmesh.identity import Role
 from llmmesh.mtls import MeshIdentity
 from llmmesh.v1 import cost_pb2, cost_pb2_grpc
@@ -41,12 +42,15 @@ async def costd_bill(address: str, identity: MeshIdentity, start_unix_s: float, 
     """Invoices over [start, end) once costd has every request (spans arrive in batches)."""
     query = cost_pb2.BillingQuery(start_unix_s=start_unix_s, end_unix_s=end_unix_s,
                                   granularity=cost_pb2.GRANULARITY_TOTAL)
+    # Every tenant's invoices: the admin key (the bench's mesh reads config/tenants.toml).
+    metadata = (("authorization", f"Bearer {read_admin_key() or DEMO_ADMIN_KEY}"),)
     deadline = time.monotonic() + timeout_s
     async with mtls.aio_channel(address, identity, Role.COSTD) as channel:
         stub = cost_pb2_grpc.CostServiceStub(channel)
         while True:
             try:
-                resp = await stub.GetInvoice(cost_pb2.GetInvoiceRequest(query=query), timeout=10)
+                resp = await stub.GetInvoice(cost_pb2.GetInvoiceRequest(query=query),
+                                            metadata=metadata, timeout=10)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                     return None  # an older costd: the caller prices device seconds itself

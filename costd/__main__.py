@@ -23,8 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         asyncio.run(serve(config))
     except (OSError, RuntimeError, ValueError, sqlite3.Error, PipelineError) as error:
-        # Start-up failures (port taken, ledger unreadable, bad price book or curve) get one
-        # line, not a traceback.
+        # Start-up failures (port taken, ledger unreadable, bad price book, curve or tenants
+        # file) get one line, not a traceback.
         logging.getLogger("costd").error("costd failed: %s", error)
         return 1
     return 0

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from costd.access import CostAccess
 from costd.billing import Billing
 from costd.config import CostdConfig
 from costd.ledger import UsageLedger
@@ -44,11 +45,11 @@ class CostPipeline(Pipeline):
         super().__init__([self.receiver, processor, ledger])
 
 
-def build_servicers(pipeline: CostPipeline, planner: WhatIfPlanner,
-                    config: CostdConfig) -> list[tuple[Callable, object]]:
+def build_servicers(pipeline: CostPipeline, planner: WhatIfPlanner, config: CostdConfig,
+                    access: CostAccess) -> list[tuple[Callable, object]]:
     """(add_XServicer_to_server, servicer) pairs, in the order of SERVICE_NAMES."""
     billing = Billing(pipeline.ledger, planner.book)
-    servicer = CostServicer(pipeline.ledger, billing, planner, config.idle_policy)
+    servicer = CostServicer(pipeline.ledger, billing, planner, config.idle_policy, access=access)
     return [
         (cost_pb2_grpc.add_CostServiceServicer_to_server, servicer),
         (trace_service_pb2_grpc.add_TraceServiceServicer_to_server, pipeline.receiver),
@@ -61,6 +62,7 @@ async def serve(config: CostdConfig) -> None:
     # Read before the ledger opens: a bad price book or curve fails start-up, not a bill.
     book = PriceBook.load(config.prices_path)
     planner = WhatIfPlanner(book, load_curves(config.curves_dir))
+    access = CostAccess(config.tenants_path)
     pipeline = CostPipeline(UsageLedger(config.ledger))
     if config.metrics_port >= 0:
         registry = CollectorRegistry()
@@ -68,7 +70,7 @@ async def serve(config: CostdConfig) -> None:
         metrics.serve(config.metrics_port, registry, config.metrics_host)
     await pipeline.start()
     try:
-        spec = server.ServiceSpec(servicers=build_servicers(pipeline, planner, config),
+        spec = server.ServiceSpec(servicers=build_servicers(pipeline, planner, config, access),
                                   service_names=SERVICE_NAMES, identity=identity)
         log.info("ledger %s, prices %s (%s), %d curves from %s", config.ledger.display,
                  config.prices_path, book.currency, len(planner.curves), config.curves_dir)

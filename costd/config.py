@@ -18,6 +18,8 @@ DEFAULT_LEDGER_URL = "sqlite:///var/ledger.sqlite"
 _REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PRICES = str(_REPO / "config" / "prices.toml")
 DEFAULT_CURVES_DIR = str(_REPO / "bench" / "curves")
+# The gateway's file: tenant keys read their own bills, its [admin] keys the fleet's.
+DEFAULT_TENANTS = str(_REPO / "config" / "tenants.toml")
 # Long enough for in-flight exports to commit, short enough to exit well inside the usual
 # 5 s a supervisor waits after SIGTERM.
 DEFAULT_GRACE_S = 3.0
@@ -25,6 +27,7 @@ LISTEN_ENV = "LLMMESH_COSTD_LISTEN"
 LEDGER_URL_ENV = "LLMMESH_LEDGER_URL"
 PRICES_ENV = "LLMMESH_PRICES"
 CURVES_ENV = "LLMMESH_CURVES_DIR"
+TENANTS_ENV = "LLMMESH_TENANTS_FILE"   # the gateway's variable too: one file for both
 IDLE_POLICY_ENV = "LLMMESH_IDLE_POLICY"
 TLS_DIR_ENV = "LLMMESH_TLS_DIR"
 
@@ -36,6 +39,7 @@ class CostdConfig:
     grace_s: float = DEFAULT_GRACE_S
     prices_path: str = DEFAULT_PRICES
     curves_dir: str = DEFAULT_CURVES_DIR
+    tenants_path: str = DEFAULT_TENANTS
     idle_policy: IdlePolicy = IdlePolicy.UNUSED
     # ca.pem, costd.pem, costd.key (llmmesh certs); None: LLMMESH_TLS_DIR.
     tls_dir: str | None = None
@@ -66,6 +70,9 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Cost
                         help=f"price book TOML (env {PRICES_ENV})")
     parser.add_argument("--curves-dir", default=environ.get(CURVES_ENV, DEFAULT_CURVES_DIR),
                         help=f"throughput curves for what-if (env {CURVES_ENV})")
+    parser.add_argument("--tenants", default=environ.get(TENANTS_ENV, DEFAULT_TENANTS),
+                        help="API keys (tenants' and [admin]) that may read bills, reloaded "
+                             f"when it changes (env {TENANTS_ENV})")
     parser.add_argument("--idle-policy", default=environ.get(IDLE_POLICY_ENV, "unused"),
                         choices=[p.value for p in IdlePolicy],
                         help=f"default idle capacity policy (env {IDLE_POLICY_ENV})")
@@ -75,6 +82,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Cost
     args = parser.parse_args(argv)
     return CostdConfig(listen=args.listen, ledger=LedgerConfig.from_url(args.db),
                        grace_s=args.grace_s, prices_path=args.prices,
-                       curves_dir=args.curves_dir, idle_policy=IdlePolicy(args.idle_policy),
+                       curves_dir=args.curves_dir, tenants_path=args.tenants,
+                       idle_policy=IdlePolicy(args.idle_policy),
                        tls_dir=args.tls_dir, metrics_port=args.metrics_port,
                        metrics_host=args.metrics_host)

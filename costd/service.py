@@ -1,6 +1,8 @@
 """CostService: a thin gRPC edge over billing (proto ↔ domain via costd.convert, nothing else).
 
-Errors are raised, not aborted: llmmesh.server's interceptor owns the status-code table.
+Every call needs an API key (costd.access): a tenant's reads its own tenant's bills, the admin
+key the fleet's; what-if answers are open to either. Errors are raised, not aborted:
+llmmesh.server's interceptor owns the status-code table.
 Billing work runs SQL and builds files, so it runs on a worker thread, never on the loop.
 """
 from __future__ import annotations
@@ -9,6 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from costd import convert
+from costd.access import CostAccess, authorize_read
 from costd.billing import Billing, Schema
 from costd.costmodel import IdlePolicy
 from costd.export import ExportFormat
@@ -41,7 +44,8 @@ def usage_response(usage: TenantUsage) -> cost_pb2.GetUsageResponse:
 
 class CostServicer(cost_pb2_grpc.CostServiceServicer):
     def __init__(self, ledger: UsageLedger, billing: Billing, planner: WhatIfPlanner,
-                 idle_policy: IdlePolicy = IdlePolicy.UNUSED) -> None:
+                 idle_policy: IdlePolicy = IdlePolicy.UNUSED, *, access: CostAccess) -> None:
+        self._access = access
         self._ledger = ledger
         self._billing = billing
         self._planner = planner
@@ -49,6 +53,7 @@ class CostServicer(cost_pb2_grpc.CostServiceServicer):
 
     async def GetUsage(self, request: cost_pb2.GetUsageRequest,
                        context: object) -> cost_pb2.GetUsageResponse:
+        authorize_read(self._access.caller(context.invocation_metadata()), request.tenant_id)
         if not request.tenant_id:
             raise InvalidArgument("tenant_id", "is required")
         start_ns, end_ns = convert.time_range_ns(request.start_unix_s, request.end_unix_s)
@@ -59,13 +64,21 @@ class CostServicer(cost_pb2_grpc.CostServiceServicer):
 
     async def GetInvoice(self, request: cost_pb2.GetInvoiceRequest,
                          context: object) -> cost_pb2.GetInvoiceResponse:
+        caller = self._access.caller(context.invocation_metadata())
         query = convert.billing_query(request.query, Granularity.TOTAL, self._idle_policy)
+        authorize_read(caller, query.tenant_id)
         result = await asyncio.to_thread(self._billing.invoices, query)
-        return convert.invoice_response(result)
+        response = convert.invoice_response(result)
+        if not caller.is_admin:
+            # They name devices, prices and capacity: the fleet's books, not the tenant's.
+            response.ClearField("warnings")
+        return response
 
     async def ExportBilling(self, request: cost_pb2.ExportBillingRequest,
                             context: object) -> AsyncIterator[cost_pb2.ExportBillingChunk]:
+        caller = self._access.caller(context.invocation_metadata())
         query = convert.billing_query(request.query, Granularity.DAY, self._idle_policy)
+        authorize_read(caller, query.tenant_id)
         schema = _SCHEMAS.get(request.schema)
         if schema is None:
             raise InvalidArgument("schema", f"unknown value {request.schema}")
@@ -80,6 +93,7 @@ class CostServicer(cost_pb2_grpc.CostServiceServicer):
 
     async def WhatIf(self, request: cost_pb2.WhatIfRequest,
                      context: object) -> cost_pb2.WhatIfResponse:
+        self._access.caller(context.invocation_metadata())   # any authenticated caller
         profile = convert.profile_of(request.profile)
         scenario = convert.scenario_of(request.scenario)
         try:
@@ -90,6 +104,7 @@ class CostServicer(cost_pb2_grpc.CostServiceServicer):
 
     async def WhatIfConsolidation(self, request: cost_pb2.ConsolidationRequest,
                                   context: object) -> cost_pb2.ConsolidationResponse:
+        self._access.caller(context.invocation_metadata())   # any authenticated caller
         models = convert.consolidation_models(request.models, self._planner.curve_named)
         scenario = convert.scenario_of(request.scenario)
         try:

@@ -1,22 +1,21 @@
-"""Tenants and their API keys (stored as SHA-256 digests), loaded from a TOML file.
+"""Tenants and their plans, from the tenants file (its schema and key digests: llmmesh.apikeys).
 
 The file is re-read when its modification time changes, so keys and plans change without
 a restart.
 """
 from __future__ import annotations
 
-import hashlib
-import re
-import tomllib
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-from llmmesh.config_file import ConfigFileError, WatchedFile, failure
+from llmmesh.apikeys import PERIODS as _PERIODS
+from llmmesh.apikeys import KeyFile, TenantsFileError, bearer_key, hash_key, load_key_file
+from llmmesh.config_file import WatchedFile
 from llmmesh.errors import PermissionDenied, Unauthenticated
 from llmmesh.vocab import CLASSES, RequestClass
 
-
-_PERIODS = ("none", "day", "month")
+# Re-exported: the gateway's callers and tests name them here.
+__all__ = ["Plan", "Tenant", "TenantBook", "TenantsFileError", "hash_key", "load_tenants"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,55 +73,9 @@ class Tenant:
                                    f"allowed: {', '.join(self.allowed_models)}")
 
 
-def hash_key(api_key: str) -> str:
-    return hashlib.sha256(api_key.encode()).hexdigest()
-
-
-_PLAN_INTS = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "token_budget")
-# Every key a tenant's table may hold: anything else (a typo such as `token_budjet`) is refused,
-# never read as "no limit".
-_TENANT_KEYS = ("api_key_sha256", "allowed_classes", "allowed_models", "cache_scope", *_PLAN_INTS,
-                "budget_period")
-_DIGEST = re.compile(r"^[0-9a-fA-F]{64}$")
-
-
-class TenantsFileError(ConfigFileError):
-    """A tenants file that must not be used; the message names file, line and key."""
-
-
-def _check(path: str, text: str, raw: dict) -> None:
-    def fail(table: str | None, key: str | None, why: str):
-        raise failure(path, text, table, key, why, TenantsFileError)
-
-    for key in raw:
-        if key != "tenants":
-            fail(None, key, "unknown top-level key (the file holds [tenants.<id>] tables only)")
-    for tenant_id, body in raw.get("tenants", {}).items():
-        table = f"tenants.{tenant_id}"
-        if not isinstance(body, dict):
-            fail(None, "tenants", f"{tenant_id} must be a table")
-        for key, value in body.items():
-            if key not in _TENANT_KEYS:
-                fail(table, key, f"unknown key; known keys: {', '.join(_TENANT_KEYS)}")
-            if key in _PLAN_INTS and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                fail(table, key, f"must be an integer >= 0 (0 = unlimited), got {value!r}")
-            if key == "budget_period" and value not in _PERIODS:
-                fail(table, key, f"must be one of {', '.join(_PERIODS)}, got {value!r}")
-            if key == "cache_scope" and (not isinstance(value, str) or not value):
-                fail(table, key, "must be a non-empty string")
-            if key in ("api_key_sha256", "allowed_classes", "allowed_models") and not (
-                    isinstance(value, list) and all(isinstance(v, str) for v in value)):
-                fail(table, key, "must be a list of strings")
-            if key == "api_key_sha256" and not all(_DIGEST.match(v) for v in value):
-                fail(table, key, "entries must be SHA-256 hex digests (`llmmesh hash-key KEY`)")
-            if key == "allowed_classes" and set(value) - set(CLASSES):
-                fail(table, key, f"unknown classes {sorted(set(value) - set(CLASSES))}; "
-                                 f"known: {', '.join(CLASSES)}")
-
-
-def _parse(raw: dict) -> dict[str, Tenant]:
+def _parse(keys: KeyFile) -> dict[str, Tenant]:
     by_digest: dict[str, Tenant] = {}
-    for tenant_id, body in raw.get("tenants", {}).items():
+    for tenant_id, body in keys.tenants.items():
         classes = tuple(body.get("allowed_classes", CLASSES))
         plan = Plan(**{k: body[k] for k in Plan.__dataclass_fields__ if k in body})
         tenant = Tenant(tenant_id, classes, body.get("cache_scope", tenant_id), plan,
@@ -133,16 +86,9 @@ def _parse(raw: dict) -> dict[str, Tenant]:
 
 
 def load_tenants(path: str) -> dict[str, Tenant]:
-    """API-key digest → tenant; TenantsFileError naming file, line and key when it is wrong."""
-    with open(path, "rb") as f:
-        data = f.read()
-    text = data.decode("utf-8", errors="replace")
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise TenantsFileError(f"{path}: not valid TOML: {exc}") from None
-    _check(path, text, raw)
-    return _parse(raw)
+    """API-key digest → tenant (the file's [admin] keys are costd's, never a tenant's);
+    TenantsFileError naming file, line and key when it is wrong."""
+    return _parse(load_key_file(path))
 
 
 class TenantBook:
@@ -161,17 +107,8 @@ class TenantBook:
         return list({t.tenant_id: t for t in list(self._by_digest.values())}.values())
 
     def authenticate(self, metadata) -> Tenant:
-        header = ""
-        for key, value in metadata or ():
-            if key == "authorization":
-                header = value
-        if not header:
-            raise Unauthenticated("missing `authorization: Bearer <api key>` metadata")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise Unauthenticated("authorization metadata must be `Bearer <api key>`")
         # Looking up the digest (not the key) leaks nothing useful through timing.
-        tenant = self._by_digest.get(hash_key(key.strip()))
+        tenant = self._by_digest.get(hash_key(bearer_key(metadata)))
         if tenant is None:
             raise Unauthenticated("API key not recognised")
         return tenant

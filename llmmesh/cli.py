@@ -78,10 +78,12 @@ def _print_ready(mesh) -> None:
                f"(live view: .venv/bin/llmmesh top --var-dir {mesh.var_dir})")
     for tenant, key in DEMO_KEYS.items():
         typer.echo(f"  tenant {tenant:<7} API key {key}")
+    typer.echo(f"  admin key (fleet-wide bills) in {mesh.admin_key_path}, mode 0600")
     typer.echo("\nTry:\n"
                f"  .venv/bin/llmmesh generate --gateway {gw} --api-key {DEMO_KEYS['acme']} "
                "\"What is the capital of Japan?\"\n"
                f"  .venv/bin/llmmesh usage --costd {cd} --tenant acme\n"
+               f"  LLMMESH_ADMIN_KEY_FILE={mesh.admin_key_path} .venv/bin/llmmesh bill --costd {cd}\n"
                "\nOr with the openai SDK (pip install openai):\n"
                "  from openai import OpenAI\n"
                f"  client = OpenAI(base_url=\"{base}\", api_key=\"{DEMO_KEYS['acme']}\")\n"
@@ -133,12 +135,13 @@ def generate(prompt: str,
 @app.command()
 def usage(tenant: str = typer.Option(..., help="tenant id"),
           costd: str = typer.Option("127.0.0.1:50055", help="costd address")) -> None:
-    """Print a tenant's billed tokens."""
-    from llmmesh.cli_cost import costd_channel
+    """Print a tenant's billed tokens (its own key in LLMMESH_API_KEY, or the admin key)."""
+    from llmmesh.cli_cost import costd_channel, credentials
+    metadata = credentials(tenant)
     with costd_channel(costd) as channel:
         try:
             r = cost_pb2_grpc.CostServiceStub(channel).GetUsage(
-                cost_pb2.GetUsageRequest(tenant_id=tenant), timeout=10)
+                cost_pb2.GetUsageRequest(tenant_id=tenant), metadata=metadata, timeout=10)
         except grpc.RpcError as exc:
             typer.echo(f"error: {exc.code().name}: {exc.details()}", err=True)
             raise typer.Exit(1)

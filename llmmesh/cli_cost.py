@@ -18,6 +18,7 @@ import grpc
 import typer
 from google.protobuf import json_format
 
+from llmmesh.apikeys import ADMIN_KEY_ENV, ADMIN_KEY_FILE_ENV, read_admin_key
 from llmmesh.atomic_file import write_atomic
 from llmmesh.identity import Role
 from llmmesh.mtls import MissingIdentity, operator_channel
@@ -61,6 +62,29 @@ def costd_channel(address: str) -> grpc.Channel:
         raise typer.Exit(2)
 
 
+TENANT_KEY_ENV = "LLMMESH_API_KEY"   # the tenant key `llmmesh generate` reads too
+
+
+def credentials(tenant: str | None) -> tuple[tuple[str, str], ...]:
+    """The API key for a cost read, as call metadata. One tenant's bill (`tenant`): that
+    tenant's own key (LLMMESH_API_KEY) when set, else the admin key; the fleet's (""): the
+    admin key alone; a what-if (None): either. Keys come from the environment or a 0600 file,
+    never from argv (which `ps` shows)."""
+    key = os.environ.get(TENANT_KEY_ENV, "").strip() if tenant != "" else ""
+    try:
+        key = key or read_admin_key() or ""
+    except ValueError as exc:
+        typer.echo(f"error: admin key: {exc}", err=True)
+        raise typer.Exit(2)
+    if not key:
+        own = f", or the tenant's own key in {TENANT_KEY_ENV}" if tenant != "" else ""
+        typer.echo(f"error: costd needs an API key: the admin key in {ADMIN_KEY_ENV} or in the "
+                   f"0600 file {ADMIN_KEY_FILE_ENV} (default var/admin.key, which `make up` "
+                   f"writes){own}", err=True)
+        raise typer.Exit(2)
+    return (("authorization", f"Bearer {key}"),)
+
+
 def _fail(error: grpc.RpcError) -> typer.Exit:
     typer.echo(f"error: {error.code().name}: {error.details()}", err=True)
     return typer.Exit(1)
@@ -75,13 +99,13 @@ def _write(out: str | None, data: bytes) -> None:
 
 
 def export_to(stub: cost_pb2_grpc.CostServiceStub, request: cost_pb2.ExportBillingRequest,
-              out: str) -> cost_pb2.ExportSummary:
+              out: str, metadata: tuple = ()) -> cost_pb2.ExportSummary:
     """Streams the export into `out` crash-safe; the file is replaced only if its SHA-256
     matches the summary costd sent last, so an interrupted stream keeps the old file."""
     digest, summary = hashlib.sha256(), cost_pb2.ExportSummary()
 
     def chunks():
-        for message in stub.ExportBilling(request, timeout=600):
+        for message in stub.ExportBilling(request, metadata=metadata, timeout=600):
             if message.HasField("summary"):
                 summary.CopyFrom(message.summary)
             else:
@@ -139,19 +163,25 @@ def bill(tenant: str = typer.Option("", help="tenant id; empty: every tenant + t
          granularity: str = typer.Option("", help="charge periods: total | hour | day | month"),
          idle: str = typer.Option("default", help="idle capacity: unused | pro-rata | default"),
          out: str = typer.Option("", help="write to this file (crash-safe) instead of stdout")) -> None:
-    """A tenant's invoice, or every tenant's with the fleet's reconciliation; or an export."""
+    """A tenant's invoice, or every tenant's with the fleet's reconciliation; or an export.
+
+    The fleet's bills need the admin key (LLMMESH_ADMIN_KEY, or the 0600 file
+    LLMMESH_ADMIN_KEY_FILE, default var/admin.key); one tenant's take that tenant's own key
+    (LLMMESH_API_KEY) instead."""
     if fmt not in FORMATS or idle not in IDLE or (granularity and granularity not in GRANULARITIES):
         raise typer.BadParameter("see --help for --format, --granularity and --idle values")
     query = cost_pb2.BillingQuery(tenant_id=tenant, start_unix_s=unix_s(start),
                                   end_unix_s=unix_s(end), idle_policy=IDLE[idle],
                                   granularity=GRANULARITIES.get(granularity, 0))
+    metadata = credentials(tenant)
     with costd_channel(costd) as channel:
         stub = cost_pb2_grpc.CostServiceStub(channel)
         try:
             if fmt in EXPORTS:
-                _export(stub, query, fmt, out)
+                _export(stub, query, fmt, out, metadata)
                 return
-            response = stub.GetInvoice(cost_pb2.GetInvoiceRequest(query=query), timeout=120)
+            response = stub.GetInvoice(cost_pb2.GetInvoiceRequest(query=query),
+                                       metadata=metadata, timeout=120)
         except grpc.RpcError as error:
             raise _fail(error)
     if fmt == "json":
@@ -160,17 +190,17 @@ def bill(tenant: str = typer.Option("", help="tenant id; empty: every tenant + t
         print_invoices(response)
 
 
-def _export(stub, query: cost_pb2.BillingQuery, fmt: str, out: str) -> None:
+def _export(stub, query: cost_pb2.BillingQuery, fmt: str, out: str, metadata: tuple) -> None:
     schema, file_format = EXPORTS[fmt]
     request = cost_pb2.ExportBillingRequest(query=query, schema=schema, format=file_format)
     if out:
-        summary = export_to(stub, request, out)
+        summary = export_to(stub, request, out, metadata)
         typer.echo(f"wrote {out}: {summary.rows} rows, {summary.size_bytes} bytes, "
                    f"sha256 {summary.sha256}", err=True)
         return
     if fmt == "parquet":
         raise typer.BadParameter("Parquet is binary: give --out FILE")
-    for message in stub.ExportBilling(request, timeout=600):
+    for message in stub.ExportBilling(request, metadata=metadata, timeout=600):
         if message.HasField("data"):
             sys.stdout.buffer.write(message.data)
     sys.stdout.flush()
@@ -244,9 +274,11 @@ def whatif(profile: str = typer.Option(..., help="traffic profile JSON file"),
     if local:
         response = _whatif_local(request, cost_pb2.WhatIfResponse())
     else:
+        metadata = credentials(None)
         with costd_channel(costd) as channel:
             try:
-                response = cost_pb2_grpc.CostServiceStub(channel).WhatIf(request, timeout=60)
+                response = cost_pb2_grpc.CostServiceStub(channel).WhatIf(
+                    request, metadata=metadata, timeout=60)
             except grpc.RpcError as error:
                 raise _fail(error)
     if as_json:
@@ -332,10 +364,11 @@ def whatif_consolidate(
     if local:
         response = _whatif_local(request, cost_pb2.ConsolidationResponse(), "--consolidation")
     else:
+        metadata = credentials(None)
         with costd_channel(costd) as channel:
             try:
                 response = cost_pb2_grpc.CostServiceStub(channel).WhatIfConsolidation(
-                    request, timeout=60)
+                    request, metadata=metadata, timeout=60)
             except grpc.RpcError as error:
                 raise _fail(error)
     if as_json:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmmesh import certs
+from llmmesh.apikeys import DEMO_ADMIN_KEY, write_admin_key
 from llmmesh.identity import Role
 from llmmesh.mtls import TLS_DIR_ENV, MeshIdentity
 from llmmesh.server import wait_serving
@@ -94,6 +95,11 @@ class Mesh:
         os.makedirs(self.log_dir, exist_ok=True)
         self.tls_dir = self.tls_dir or os.environ.get(TLS_DIR_ENV) or os.path.join(self.var_dir, "tls")
         certs.ensure(self.tls_dir)
+        # The demo's admin key (config/tenants.toml's [admin]) for `llmmesh bill`, as the demo
+        # tenant keys are: kept when there, so an operator's own key is never overwritten.
+        self.admin_key_path = os.path.join(self.var_dir, "admin.key")
+        if not os.path.exists(self.admin_key_path):
+            write_admin_key(self.admin_key_path, DEMO_ADMIN_KEY)
         self.env = {**os.environ, "PYTHONPATH": REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                     "PYTHONUNBUFFERED": "1", TLS_DIR_ENV: self.tls_dir}
 
@@ -141,6 +147,8 @@ class Mesh:
         if module == "costd":
             argv = [sys.executable, "-m", "costd", "--listen", address,
                     "--db", os.path.join(self.var_dir, "ledger.sqlite")]
+            if "--tenants" in self.gateway_args:   # one key file: the gateway's keys read bills
+                argv += ["--tenants", self.gateway_args[self.gateway_args.index("--tenants") + 1]]
         else:
             endpoints = [self.procs["costd"].address, *self.extra_otlp_endpoints]
             argv += ["--otlp-endpoint", ",".join(endpoints)]

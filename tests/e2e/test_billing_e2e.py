@@ -22,10 +22,14 @@ import grpc
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 
-def _bill(costd: str, *args: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "llmmesh.cli", "bill", "--costd", costd,
-                          "--format", "json", *args], cwd=REPO_ROOT, capture_output=True,
-                         text=True, timeout=60, check=True).stdout
+def _bill(mesh: Mesh, *args: str) -> dict:
+    # The admin key file the launcher wrote, as after `make up`.
+    env = {**os.environ, "LLMMESH_ADMIN_KEY_FILE": mesh.admin_key_path}
+    env.pop("LLMMESH_ADMIN_KEY", None)
+    out = subprocess.run([sys.executable, "-m", "llmmesh.cli", "bill", "--costd",
+                          mesh.procs["costd"].address, "--format", "json", *args],
+                         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, env=env,
+                         check=True).stdout
     return json.loads(out)
 
 
@@ -50,13 +54,12 @@ def test_bills_match_clients_and_reconcile_to_device_hours(tmp_path):
         # SIGTERM makes the worker report its last, partial capacity interval.
         assert mesh.stop_one("worker0") == 0
         time.sleep(1.5)
-        costd = mesh.procs["costd"].address
         for tenant, usages in told.items():
-            inv = _bill(costd, "--tenant", tenant)["invoices"][0]
+            inv = _bill(mesh, "--tenant", tenant)["invoices"][0]
             assert int(inv["requests"]) == len(usages)
             assert int(inv["promptTokens"]) == sum(u.prompt_tokens for u in usages)
             assert int(inv["completionTokens"]) == sum(u.completion_tokens for u in usages)
-        fleet = _bill(costd)["reconciliation"]
+        fleet = _bill(mesh)["reconciliation"]
         assert Decimal(fleet["capacityDue"]) == Decimal(fleet["tenantsDue"]) + Decimal(fleet["unusedDue"])
         uptime_h = Decimal(sum(int(w["uptimeNs"]) for w in fleet["workers"])) / Decimal(3.6e12)
         assert uptime_h > 0

@@ -9,6 +9,7 @@ import pytest
 import redis
 
 from llmmesh import mtls, queue
+from llmmesh.apikeys import DEMO_ADMIN_KEY
 from tests.e2e.meshkit import wait_until
 from llmmesh.identity import Role
 from llmmesh.v1 import common_pb2, cost_pb2, cost_pb2_grpc, gateway_pb2
@@ -65,7 +66,9 @@ def test_two_tenants_two_classes_billed_as_told(mesh, gateway):
         costd = cost_pb2_grpc.CostServiceStub(channel)
         deadline = time.monotonic() + 20
         while True:
-            got = {t: costd.GetUsage(cost_pb2.GetUsageRequest(tenant_id=t, start_unix_s=since))
+            # Each tenant's own key reads its own usage (the admin key would read both).
+            got = {t: costd.GetUsage(cost_pb2.GetUsageRequest(tenant_id=t, start_unix_s=since),
+                                     metadata=_auth(t))
                    for t in told}
             if all(g.requests == 1 for g in got.values()) or time.monotonic() > deadline:
                 break
@@ -75,7 +78,8 @@ def test_two_tenants_two_classes_billed_as_told(mesh, gateway):
             assert got[tenant].prompt_tokens == usage.prompt_tokens > 0
             assert got[tenant].completion_tokens == usage.completion_tokens > 0
             assert got[tenant].decode_device_seconds > 0
-        nobody = costd.GetUsage(cost_pb2.GetUsageRequest(tenant_id="nobody"))
+        nobody = costd.GetUsage(cost_pb2.GetUsageRequest(tenant_id="nobody"),
+                                metadata=(("authorization", f"Bearer {DEMO_ADMIN_KEY}"),))
         assert nobody.requests == 0 and nobody.completion_tokens == 0
 
     # Every entry was acknowledged once its request ended.

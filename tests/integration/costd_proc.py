@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from llmmesh import mtls
+from llmmesh.apikeys import DEMO_ADMIN_KEY
 from llmmesh.identity import Role
 from llmmesh.launcher import free_port
 from llmmesh.mtls import MeshIdentity
@@ -22,6 +23,22 @@ from llmmesh.mtls import MeshIdentity
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden" / "costd"
 START_DEADLINE_S = 20.0
+
+
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Puts `authorization: Bearer <key>` on every call of a channel."""
+
+    def __init__(self, key: str) -> None:
+        self._metadata = (("authorization", f"Bearer {key}"),)
+
+    def _with_key(self, details):
+        return details._replace(metadata=tuple(details.metadata or ()) + self._metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_key(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_key(details), request)
 
 
 @dataclass
@@ -34,9 +51,11 @@ class Costd:
     def log(self) -> str:
         return self.log_path.read_text()
 
-    def channel(self, role: Role = Role.ADMIN) -> grpc.Channel:
-        """To costd as `role`: ADMIN reads bills, ROUTER sends the spans costd bills."""
-        return mtls.channel(self.address, MeshIdentity.from_env(role), Role.COSTD)
+    def channel(self, role: Role = Role.ADMIN, api_key: str | None = DEMO_ADMIN_KEY) -> grpc.Channel:
+        """To costd as `role`: ADMIN reads bills, ROUTER sends the spans costd bills. Every call
+        carries `api_key` (the shipped tenants file's admin key unless told; None: no key)."""
+        channel = mtls.channel(self.address, MeshIdentity.from_env(role), Role.COSTD)
+        return grpc.intercept_channel(channel, _Bearer(api_key)) if api_key else channel
 
 
 def _serving(costd: Costd) -> bool:
@@ -62,7 +81,7 @@ def export_by_sender(costd: "Costd", request) -> trace_service_pb2.ExportTraceSe
         service = next((kv.value.string_value for kv in resource_spans.resource.attributes
                         if kv.key == "service.name"), "")
         one = trace_service_pb2.ExportTraceServiceRequest(resource_spans=[resource_spans])
-        with costd.channel(_SENDER_ROLES.get(service, Role.GATEWAY)) as channel:
+        with costd.channel(_SENDER_ROLES.get(service, Role.GATEWAY), api_key=None) as channel:
             answer = trace_service_pb2_grpc.TraceServiceStub(channel).Export(one, timeout=10)
         rejected += answer.partial_success.rejected_spans
         messages += [answer.partial_success.error_message] if answer.partial_success.error_message else []

@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace.export import (BatchSpanProcessor, SimpleSpanProces
                                             SpanExporter, SpanExportResult)
 
 from llmmesh import mtls
+from llmmesh.apikeys import DEMO_ADMIN_KEY
 from llmmesh.identity import Role
 from llmmesh.launcher import free_port
 from llmmesh.mtls import MeshIdentity
@@ -35,6 +36,8 @@ REPO = Path(__file__).resolve().parents[2]
 S = 1_000_000_000
 BASE_S = 1_700_000_000
 START_DEADLINE_S = 20.0
+# costd reads the shipped config/tenants.toml: its [admin] key reads every tenant's usage.
+ADMIN_AUTH = (("authorization", f"Bearer {DEMO_ADMIN_KEY}"),)
 
 
 @dataclass
@@ -200,7 +203,7 @@ def emit(address: str, requests: list[Request], batch: bool = True) -> Recording
 def get_usage(channel: grpc.Channel, tenant: str, start_s: float = 0,
               end_s: float = 0) -> cost_pb2.GetUsageResponse:
     request = cost_pb2.GetUsageRequest(tenant_id=tenant, start_unix_s=start_s, end_unix_s=end_s)
-    return cost_pb2_grpc.CostServiceStub(channel).GetUsage(request, timeout=5)
+    return cost_pb2_grpc.CostServiceStub(channel).GetUsage(request, metadata=ADMIN_AUTH, timeout=5)
 
 
 def assert_usage_matches(response: cost_pb2.GetUsageResponse, requests: list[Request]) -> None:

@@ -7,6 +7,7 @@ test, so the kill lands mid-export every time, not by luck of timing.
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import grpc
 import pytest
 
 from costd_proc import REPO
+from llmmesh.apikeys import ADMIN_KEY_ENV, DEMO_ADMIN_KEY
 from llmmesh.identity import Role
 from llmmesh.v1 import cost_pb2, cost_pb2_grpc
 
@@ -59,6 +61,7 @@ def fake_costd(serve_as):
 def bill(address: str, out) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "llmmesh.cli", "bill", "--costd", address,
                              "--format", "focus", "--out", str(out)], cwd=REPO,
+                            env={**os.environ, ADMIN_KEY_ENV: DEMO_ADMIN_KEY},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 

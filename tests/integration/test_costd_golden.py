@@ -23,6 +23,7 @@ from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from costd_proc import GOLDEN, REPO, export_by_sender, start_costd, stop
+from llmmesh.apikeys import ADMIN_KEY_ENV, DEMO_ADMIN_KEY
 from llmmesh.v1 import cost_pb2, cost_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)
@@ -130,8 +131,10 @@ def test_cloudevents_export_is_golden(costd):
 
 
 def llmmesh(*args: str) -> subprocess.CompletedProcess:
+    """The CLI as an operator runs it: the admin key in the environment."""
     return subprocess.run([sys.executable, "-m", "llmmesh.cli", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, ADMIN_KEY_ENV: DEMO_ADMIN_KEY})
 
 
 def test_llmmesh_bill_matches_the_api(costd, tmp_path):

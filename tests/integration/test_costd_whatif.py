@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from costd_proc import GOLDEN, REPO, start_costd, stop
+from llmmesh.apikeys import ADMIN_KEY_ENV, DEMO_ADMIN_KEY
 
 pytestmark = pytest.mark.timeout(60)
 PROFILE = str(GOLDEN / "whatif_profile.json")  # 0.6 req/s × 1,000 tokens = 600 tok/s all day
@@ -17,7 +19,8 @@ CURVE = str(GOLDEN / "curves" / "seed-a100.json")
 
 def whatif(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "llmmesh.cli", "whatif", "--profile", PROFILE,
-                           *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+                           *args], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, ADMIN_KEY_ENV: DEMO_ADMIN_KEY})
 
 
 def test_seed_case_through_costd_and_locally(tmp_path):

@@ -15,12 +15,15 @@ import grpc
 import pytest
 
 from costd import convert
+from costd.access import CostAccess
+from costd.config import DEFAULT_TENANTS
 from costd.pricebook import PriceBook
 from costd.service import CostServicer
 from costd.whatif.consolidation import FieldError, ModelLoad, consolidate
 from costd.whatif.curve import load_curves, parse_curve
 from costd.whatif.planner import WhatIfPlanner
 from costd.whatif.profile import Lengths, Scenario, TrafficProfile
+from llmmesh.apikeys import DEMO_ADMIN_KEY
 from llmmesh.errors import InvalidArgument
 from llmmesh.server import ErrorMappingInterceptor
 from llmmesh.v1 import cost_pb2, cost_pb2_grpc
@@ -205,16 +208,20 @@ def test_proto_models_name_the_bad_field(bad, field):
     assert caught.value.field == field
 
 
-async def ask(request: cost_pb2.ConsolidationRequest):
+ADMIN_AUTH = (("authorization", f"Bearer {DEMO_ADMIN_KEY}"),)
+
+
+async def ask(request: cost_pb2.ConsolidationRequest, metadata=ADMIN_AUTH):
     server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()])
-    cost_pb2_grpc.add_CostServiceServicer_to_server(CostServicer(None, None, planner()), server)
+    servicer = CostServicer(None, None, planner(), access=CostAccess(DEFAULT_TENANTS))
+    cost_pb2_grpc.add_CostServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = cost_pb2_grpc.CostServiceStub(channel)
             try:
-                return await stub.WhatIfConsolidation(request, timeout=10)
+                return await stub.WhatIfConsolidation(request, metadata=metadata, timeout=10)
             except grpc.aio.AioRpcError as error:
                 return error
     finally:
@@ -244,6 +251,16 @@ def test_rpc_refuses_an_unknown_curve_as_invalid_argument():
     request.models[1].curve = "flat"
     answer = asyncio.run(ask(request))
     assert answer.cheaper == "equal" and answer.shared.device_hours == 48
+
+
+def test_rpc_answers_any_api_key_and_refuses_a_call_without_one():
+    from llmmesh.cli_cost import models_request
+    request = models_request(str(EXAMPLE), cost_pb2.Scenario(device="cpu"), 0)
+    tenant = asyncio.run(ask(request, (("authorization", "Bearer llmmesh-demo-acme"),)))
+    assert tenant.saving == "2.40"
+    for metadata in ((), (("authorization", "Bearer not-a-key"),)):
+        error = asyncio.run(ask(request, metadata))
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_cli_answers_the_example_locally_and_says_where_swapping_starts():
