@@ -15,6 +15,7 @@ from costd.metrics import CostdMetrics
 from costd.pipeline import Pipeline
 from costd.pricebook import PriceBook
 from costd.receiver import TraceReceiver
+from costd.reconcile.timer import start_timer
 from costd.service import CostServicer
 from costd.usage import UsageProcessor
 from costd.whatif.curve import load_curves
@@ -64,11 +65,14 @@ async def serve(config: CostdConfig) -> None:
     planner = WhatIfPlanner(book, load_curves(config.curves_dir))
     access = CostAccess(config.tenants_path)
     pipeline = CostPipeline(UsageLedger(config.ledger))
+    registry = None
     if config.metrics_port >= 0:
         registry = CollectorRegistry()
         pipeline.ledger.metrics = pipeline.receiver.metrics = CostdMetrics(registry, book)
         metrics.serve(config.metrics_port, registry, config.metrics_host)
     await pipeline.start()
+    stop_reconciling = start_timer(config.redis_url, config.reconcile_interval_s,
+                                   pipeline.ledger, registry)
     try:
         spec = server.ServiceSpec(servicers=build_servicers(pipeline, planner, config, access),
                                   service_names=SERVICE_NAMES, identity=identity)
@@ -77,5 +81,6 @@ async def serve(config: CostdConfig) -> None:
         await server.serve(spec, config.listen, grace_s=config.grace_s)
     finally:
         # Here, not in spec.on_shutdown: the ledger must close even when serving never began.
+        await stop_reconciling()
         await pipeline.shutdown()
     log.info("costd stopped")

@@ -30,6 +30,9 @@ CURVES_ENV = "LLMMESH_CURVES_DIR"
 TENANTS_ENV = "LLMMESH_TENANTS_FILE"   # the gateway's variable too: one file for both
 IDLE_POLICY_ENV = "LLMMESH_IDLE_POLICY"
 TLS_DIR_ENV = "LLMMESH_TLS_DIR"
+REDIS_URL_ENV = "REDIS_URL"
+RECONCILE_INTERVAL_ENV = "LLMMESH_RECONCILE_INTERVAL_S"
+DEFAULT_RECONCILE_INTERVAL_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,10 @@ class CostdConfig:
     tls_dir: str | None = None
     metrics_port: int = -1          # Prometheus metrics (0: any free port; -1: off)
     metrics_host: str = "127.0.0.1"
+    # Reconciliation with Redis's settlements and billing records (costd.reconcile): every
+    # interval, when a Redis URL is given; 0 disables it.
+    redis_url: str = ""
+    reconcile_interval_s: float = DEFAULT_RECONCILE_INTERVAL_S
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -54,6 +61,8 @@ class CostdConfig:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if not isinstance(self.idle_policy, IdlePolicy):
             raise ValueError(f"idle_policy must be an IdlePolicy, got {self.idle_policy!r}")
+        if not math.isfinite(self.reconcile_interval_s) or self.reconcile_interval_s < 0:
+            raise ValueError(f"reconcile_interval_s must be >= 0, got {self.reconcile_interval_s}")
 
 
 def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> CostdConfig:
@@ -78,6 +87,12 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Cost
                         help=f"default idle capacity policy (env {IDLE_POLICY_ENV})")
     parser.add_argument("--tls-dir", default=environ.get(TLS_DIR_ENV),
                         help=f"the mesh's TLS files (env {TLS_DIR_ENV})")
+    parser.add_argument("--redis-url", default=environ.get(REDIS_URL_ENV, ""),
+                        help=f"Redis, for reconciling bills with settlements (env {REDIS_URL_ENV})")
+    parser.add_argument("--reconcile-interval-s", type=float,
+                        default=float(environ.get(RECONCILE_INTERVAL_ENV,
+                                                  DEFAULT_RECONCILE_INTERVAL_S)),
+                        help=f"seconds between reconciliations, 0: off (env {RECONCILE_INTERVAL_ENV})")
     metrics.add_arguments(parser, environ)
     args = parser.parse_args(argv)
     return CostdConfig(listen=args.listen, ledger=LedgerConfig.from_url(args.db),
@@ -85,4 +100,5 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Cost
                        curves_dir=args.curves_dir, tenants_path=args.tenants,
                        idle_policy=IdlePolicy(args.idle_policy),
                        tls_dir=args.tls_dir, metrics_port=args.metrics_port,
-                       metrics_host=args.metrics_host)
+                       metrics_host=args.metrics_host, redis_url=args.redis_url,
+                       reconcile_interval_s=args.reconcile_interval_s)

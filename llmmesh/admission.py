@@ -67,15 +67,28 @@ end
 return {0, 0}
 """
 
-# KEYS: 1 concurrency zset, 2 settled marker, 3 budget hash (optional)
-# ARGV: 1 request id, 2 reserved, 3 used
+# Settlements are remembered this long (marker and index): the reconciler's reach back.
+SETTLED_TTL_S = 86400
+
+# KEYS: 1 concurrency zset, 2 settled marker, 3 the tenant's settlement index, 4 budget hash
+#       (optional)
+# ARGV: 1 reservation id, 2 reserved, 3 used, 4 the mesh request id, 5 SETTLED_TTL_S
+# The index (score: settle time in ms, member "<used> <request id>") is what lets the
+# reconciler (costd.reconcile) find a window's settlements and the tokens each charged,
+# without scanning every marker.
 _SETTLE = """
 redis.call('ZREM', KEYS[1], ARGV[1])
+local ttl = tonumber(ARGV[5])
 -- A settle retried after a router restart must not charge twice.
-if not redis.call('SET', KEYS[2], 1, 'NX', 'EX', 86400) then return 0 end
-if #KEYS >= 3 and redis.call('EXISTS', KEYS[3]) == 1 then
-  redis.call('HINCRBY', KEYS[3], 'reserved', -tonumber(ARGV[2]))
-  redis.call('HINCRBY', KEYS[3], 'used', tonumber(ARGV[3]))
+if not redis.call('SET', KEYS[2], ARGV[3], 'NX', 'EX', ttl) then return 0 end
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[3], now_ms, ARGV[3] .. ' ' .. ARGV[4])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms - ttl * 1000)
+redis.call('EXPIRE', KEYS[3], ttl)
+if #KEYS >= 4 and redis.call('EXISTS', KEYS[4]) == 1 then
+  redis.call('HINCRBY', KEYS[4], 'reserved', -tonumber(ARGV[2]))
+  redis.call('HINCRBY', KEYS[4], 'used', tonumber(ARGV[3]))
 end
 return 1
 """
@@ -126,6 +139,37 @@ def keys(tenant_id: str, period: str) -> list[str]:
             f"{PREFIX}:budget:{tag}:{period}"]
 
 
+SETTLEMENTS_PREFIX = f"{PREFIX}:settlements:"
+
+
+def settlement_index_key(tenant_id: str) -> str:
+    return f"{SETTLEMENTS_PREFIX}{{{tenant_id}}}"
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """One settled admission, as the settlement index remembers it."""
+
+    tenant_id: str
+    request_id: str
+    used_tokens: int       # prompt + delivered completion tokens; 0: ended unbilled
+    settled_unix_ms: int   # Redis's clock
+
+
+async def read_settlements(redis: aioredis.Redis, since_unix_ms: int) -> list[Settlement]:
+    """Every tenant's settlements from `since_unix_ms` on (as far back as SETTLED_TTL_S)."""
+    found: list[Settlement] = []
+    async for key in redis.scan_iter(match=f"{SETTLEMENTS_PREFIX}*", count=1000):
+        key = key.decode() if isinstance(key, bytes) else key
+        tenant_id = key[len(SETTLEMENTS_PREFIX):].removeprefix("{").removesuffix("}")
+        for member, score in await redis.zrangebyscore(key, since_unix_ms, "+inf",
+                                                       withscores=True):
+            member = member.decode() if isinstance(member, bytes) else member
+            used, _, request_id = member.partition(" ")
+            found.append(Settlement(tenant_id, request_id, int(used), int(score)))
+    return found
+
+
 def _admit_keys_args(*, tenant_id: str, request_id: str, rpm: int, tpm: int,
                      max_concurrent: int, budget: int, period: str, period_end_s: float,
                      tokens: int, lease_s: float) -> tuple[list, list]:
@@ -166,14 +210,18 @@ class Admission:
         code, wait_ms = reply
         return int(code), int(wait_ms) / 1000.0
 
-    async def settle(self, r: Reservation, used_tokens: int) -> bool:
-        """Release the reservation and charge `used_tokens`; idempotent per request."""
+    async def settle(self, r: Reservation, used_tokens: int, request_id: str = "") -> bool:
+        """Release the reservation and charge `used_tokens`; idempotent per request.
+        `request_id` is the mesh request id its bill carries (default: the reservation id up
+        to the gateway's '#' suffix)."""
         tag = f"{{{r.tenant_id}}}"
-        settle_keys = [f"{PREFIX}:conc:{tag}", f"{PREFIX}:settled:{tag}:{r.request_id}"]
+        settle_keys = [f"{PREFIX}:conc:{tag}", f"{PREFIX}:settled:{tag}:{r.request_id}",
+                       settlement_index_key(r.tenant_id)]
         if r.budget_key:
             settle_keys.append(r.budget_key)
-        return bool(await self._settle(keys=settle_keys,
-                                       args=[r.request_id, r.reserved_tokens, used_tokens]))
+        return bool(await self._settle(
+            keys=settle_keys, args=[r.request_id, r.reserved_tokens, used_tokens,
+                                    request_id or r.request_id.partition("#")[0], SETTLED_TTL_S]))
 
     async def budget_state(self, tenant_id: str, period: str) -> tuple[int, int]:
         """(used, reserved) tokens of a tenant's budget period."""

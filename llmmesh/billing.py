@@ -7,11 +7,20 @@ acknowledge a record only once costd's Export answered (costd commits before it 
 router killed at any instant, or costd down for minutes, loses no bill. A record may be shipped
 twice (a router that took over an ended request writes it again, a shipper dies between the
 answer and its XACK); the ledger is keyed by request id and keeps the first.
+
+Shipped records stay in the stream for RETENTION_S (as long as admission settlements), so the
+reconciler (costd.reconcile) can compare them with the ledger and re-ship one it lacks; only
+records a shipper acknowledged are ever trimmed.
 """
 from __future__ import annotations
 
 import json
+import logging
+from dataclasses import dataclass, field
 from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
@@ -22,6 +31,10 @@ from llmmesh import queue, vocab
 BILLING_STREAM = f"{queue.PREFIX}:billing"
 SHIPPER_GROUP = "shippers"
 SPAN_NAME = "router bill"
+RETENTION_S = 86400
+_PAGE = 1000
+
+log = logging.getLogger("llmmesh.billing")
 
 
 def record_attributes(*, request_id: str, tenant_id: str, model: str, request_class: str,
@@ -83,3 +96,110 @@ def export_request(entries: list[tuple[str, dict]]) -> trace_service_pb2.ExportT
         "resource": {"attributes": [KeyValue(key="service.name",
                                              value=AnyValue(string_value="llmmesh-router"))]},
         "scope_spans": [{"scope": {"name": "llmmesh.billing"}, "spans": spans}]}])
+
+
+@dataclass(frozen=True, slots=True)
+class BillingRecord:
+    """One record of the stream, as the reconciler compares it with the ledger."""
+
+    entry_id: str
+    request_id: str
+    tenant_id: str
+    num_prompt_tokens: int
+    num_cached_prompt_tokens: int
+    num_completion_tokens: int
+    shipped: bool    # a shipper acknowledged it: costd answered its export
+    fields: dict[str, str] = field(repr=False)   # the entry as written, to ship it again
+
+    @property
+    def unix_ms(self) -> int:
+        return _entry_key(self.entry_id)[0]
+
+
+def _entry_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+async def _shipper_group(redis: aioredis.Redis) -> dict | None:
+    try:
+        groups = await redis.xinfo_groups(BILLING_STREAM)
+    except ResponseError:    # no stream yet
+        return None
+    return next((g for g in groups if g["name"] == SHIPPER_GROUP), None)
+
+
+async def _unshipped(redis: aioredis.Redis, since_id: str) -> tuple[tuple[int, int], set[str]]:
+    """(the group's last delivered id, ids from `since_id` on still pending in it)."""
+    group = await _shipper_group(redis)
+    if group is None:
+        return (0, 0), set()
+    pending: set[str] = set()
+    start = since_id
+    while group["pending"]:
+        page = await redis.xpending_range(BILLING_STREAM, SHIPPER_GROUP, min=start, max="+",
+                                          count=_PAGE)
+        pending.update(p["message_id"] for p in page)
+        if len(page) < _PAGE:
+            break
+        start = f"({page[-1]['message_id']}"
+    return _entry_key(group["last-delivered-id"]), pending
+
+
+def _decode(entry_id: str, fields: dict[str, str], shipped: bool) -> BillingRecord:
+    attributes = json.loads(fields["d"])["attributes"]
+    return BillingRecord(
+        entry_id, str(attributes[vocab.REQUEST_ID]), str(attributes[vocab.TENANT_ID]),
+        int(attributes[vocab.INPUT_TOKENS]), int(attributes.get(vocab.CACHE_READ_TOKENS, 0)),
+        int(attributes[vocab.OUTPUT_TOKENS]), shipped, fields)
+
+
+async def read_records(redis: aioredis.Redis, since_unix_ms: int) -> list[BillingRecord]:
+    """Records written from `since_unix_ms` on (Redis's clock), shipped or not, oldest first.
+    `redis` decodes responses. An undecodable record is logged and left out."""
+    since_id = f"{max(0, since_unix_ms)}-0"
+    last_delivered, pending = await _unshipped(redis, since_id)
+    records: list[BillingRecord] = []
+    start = since_id
+    while True:
+        page = await redis.xrange(BILLING_STREAM, min=start, max="+", count=_PAGE)
+        for entry_id, fields in page:
+            shipped = _entry_key(entry_id) <= last_delivered and entry_id not in pending
+            try:
+                records.append(_decode(entry_id, fields, shipped))
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("billing record %s is undecodable (%r); left out", entry_id, exc)
+        if len(page) < _PAGE:
+            return records
+        start = f"({page[-1][0]}"
+
+
+async def horizon_unix_ms(redis: aioredis.Redis) -> int:
+    """The time before which the stream may have dropped records (trimmed after shipping, or
+    deleted by an older shipper); every record written after it is still there. 0: nothing
+    was ever dropped (or the stream is gone: Redis lost its data)."""
+    try:
+        info = await redis.xinfo_stream(BILLING_STREAM)
+    except ResponseError:
+        return 0
+    dropped = [_entry_key(info["max-deleted-entry-id"])]
+    if int(info["entries-added"]) > int(info["length"]):   # trimmed from the front
+        first = info["recorded-first-entry-id"] if info["length"] else info["last-generated-id"]
+        dropped.append(_entry_key(first))
+    return max(dropped)[0]
+
+
+async def trim_shipped(redis: aioredis.Redis, retention_s: float = RETENTION_S) -> int:
+    """Drops records older than `retention_s` (Redis's clock) that a shipper acknowledged;
+    never one that waits to be shipped. Returns how many went."""
+    seconds, micros = await redis.time()
+    cut = (int(seconds) * 1000 + int(micros) // 1000 - int(retention_s * 1000), 0)
+    group = await _shipper_group(redis)
+    if group is None or cut[0] <= 0:
+        return 0
+    # Nothing the group has not delivered yet, nor anything still pending in it.
+    last_ms, last_seq = _entry_key(group["last-delivered-id"])
+    cut = min(cut, (last_ms, last_seq + 1))
+    if group["pending"]:
+        cut = min(cut, _entry_key((await redis.xpending(BILLING_STREAM, SHIPPER_GROUP))["min"]))
+    return await redis.xtrim(BILLING_STREAM, minid=f"{cut[0]}-{cut[1]}", approximate=False)

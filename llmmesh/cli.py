@@ -172,7 +172,8 @@ def hash_key(api_key: str) -> None:
 def _register_extensions() -> None:
     """Commands that live in their own modules (billing, benchmarks) add themselves here."""
     import importlib
-    for module in ("llmmesh.cli_batch", "llmmesh.cli_cost", "llmmesh.cli_bench", "llmmesh.cli_top"):
+    for module in ("llmmesh.cli_batch", "llmmesh.cli_cost", "llmmesh.cli_bench", "llmmesh.cli_top",
+                   "llmmesh.cli_reconcile"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:

@@ -38,6 +38,9 @@ def _args() -> argparse.Namespace:
     p.add_argument("--breaker-open-s", type=float, default=float(env("LLMMESH_BREAKER_OPEN_S", "5")),
                    help="after 3 failed attempts on a worker, seconds before one probe is sent")
     p.add_argument("--batch-min-share", type=float, default=float(env("LLMMESH_BATCH_MIN_SHARE", "0.2")))
+    p.add_argument("--billing-retention-s", type=float,
+                   default=float(env("LLMMESH_BILLING_RETENTION_S", "86400")),
+                   help="keep shipped billing records this long, for `llmmesh reconcile`")
     metrics.add_arguments(p)
     return p.parse_args()
 
@@ -58,7 +61,8 @@ async def main() -> None:
     costd = args.costd or (args.otlp_endpoint or "").split(",")[0].strip()
     if not costd:
         raise SystemExit("router: no costd to ship bills to: give --costd or --otlp-endpoint")
-    shipper = BillingShipper(redis, costd, identity, args.consumer)
+    shipper = BillingShipper(redis, costd, identity, args.consumer,
+                             retention_s=args.billing_retention_s)
     supervisor = Supervisor()
     loops = [("registry", registry.run), ("dispatch", dispatcher.run),
              ("cancels", dispatcher.watch_cancels), ("reclaim", dispatcher.reclaim),

@@ -264,7 +264,7 @@ class Dispatcher:
                                    token_ids=p.delivered, **outcome)
         if e.reservation:
             used = len(e.prompt_token_ids) + len(p.delivered) if billed else 0
-            await self.admission.settle(Reservation(**e.reservation), used)
+            await self.admission.settle(Reservation(**e.reservation), used, e.request_id)
         # Acknowledged and deleted: the stream's length is what waits or runs, which is what
         # the gateway's queue bound counts (acknowledged entries used to stay and fill it).
         async with self.redis.pipeline(transaction=False) as pipe:

@@ -4,7 +4,8 @@ Every router runs one; they share the `shippers` consumer group, and records a d
 held are taken over after `claim_idle_ms`. costd answers an Export only after its ledger
 committed, so the XACK that follows can never lose a bill; an export that fails (costd down,
 overloaded, restarting) leaves the records pending and is retried with backoff — the bills
-wait in Redis (AOF) for as long as the outage lasts.
+wait in Redis (AOF) for as long as the outage lasts. Shipped records are kept for
+`retention_s` (llmmesh.billing.RETENTION_S), for the reconciler, then trimmed.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 
 import grpc
 import redis.asyncio as aioredis
@@ -24,13 +26,17 @@ from llmmesh.mtls import MeshIdentity
 
 log = logging.getLogger("router.shipper")
 BATCH = 256
+TRIM_EVERY_S = 60.0
 
 
 class BillingShipper:
     def __init__(self, redis: aioredis.Redis, costd_address: str, identity: MeshIdentity,
-                 consumer: str, claim_idle_ms: int = 30_000, block_ms: int = 200):
+                 consumer: str, claim_idle_ms: int = 30_000, block_ms: int = 200,
+                 retention_s: float = billing.RETENTION_S):
         self.redis, self.consumer = redis, consumer
         self.claim_idle_ms, self.block_ms = claim_idle_ms, block_ms
+        self.retention_s = retention_s
+        self._trimmed_at = 0.0
         self.channel = mtls.aio_channel(costd_address, identity, Role.COSTD)
         self.stub = trace_service_pb2_grpc.TraceServiceStub(self.channel)
         self.num_shipped = 0
@@ -52,6 +58,9 @@ class BillingShipper:
                     raise
                 await self.ensure_group()
                 continue
+            if time.monotonic() - self._trimmed_at > TRIM_EVERY_S:
+                self._trimmed_at = time.monotonic()
+                await billing.trim_shipped(self.redis, self.retention_s)
             if not entries:
                 continue
             if await self._ship(entries):
@@ -90,10 +99,8 @@ class BillingShipper:
             log.error("costd refused %d billing records: %s", reply.partial_success.rejected_spans,
                       reply.partial_success.error_message)
         ids = [entry_id for entry_id, _ in entries]
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.xack(billing.BILLING_STREAM, billing.SHIPPER_GROUP, *ids)
-            pipe.xdel(billing.BILLING_STREAM, *ids)
-            await pipe.execute()
+        # Acknowledged, not deleted: trim_shipped drops it after the retention.
+        await self.redis.xack(billing.BILLING_STREAM, billing.SHIPPER_GROUP, *ids)
         self.num_shipped += len(ids)
         return True
 

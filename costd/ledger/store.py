@@ -232,3 +232,16 @@ class SqlStore(ABC):
         """Each request that ended in [start, end), of one tenant or ("") of all."""
         rows = self._read(_RECORDS, (start_ns, end_ns, tenant_id, tenant_id))
         return [UsageRecord(*r[:11], tuple(json.loads(r[11])), int(r[12])) for r in rows]
+
+    def usage_records_by_id(self, request_ids: Sequence[str]) -> list[UsageRecord]:
+        """The rows of these requests, those the ledger has (for the reconciler)."""
+        found: list[UsageRecord] = []
+        ids = list(request_ids)
+        select = _RECORDS.split("WHERE")[0]
+        for i in range(0, len(ids), 500):
+            chunk = ids[i:i + 500]
+            rows = self._read(f"{select} WHERE request_id IN ({', '.join('?' * len(chunk))})",
+                              chunk)
+            found.extend(UsageRecord(*r[:11], tuple(json.loads(r[11])), int(r[12]))
+                         for r in rows)
+        return found
