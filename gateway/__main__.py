@@ -39,6 +39,22 @@ def _args() -> argparse.Namespace:
     p.add_argument("--tls-key", default=env("LLMMESH_GATEWAY_TLS_KEY"))
     p.add_argument("--http-listen", default=env("LLMMESH_GATEWAY_HTTP_LISTEN", "127.0.0.1:8000"),
                    help="the OpenAI-compatible HTTP front (same TLS as the gRPC port); '' = off")
+    p.add_argument("--max-message-mib", type=float,
+                   default=float(env("LLMMESH_GATEWAY_MAX_MESSAGE_MIB", "4")),
+                   help="largest request on the public port (a prompt the longest context "
+                        "holds fits with room; bigger batch jobs go through the files API)")
+    p.add_argument("--max-streams-per-tenant", type=int,
+                   default=int(env("LLMMESH_GATEWAY_MAX_STREAMS_PER_TENANT", "256")),
+                   help="open Generate/Complete calls one tenant may hold on this gateway")
+    p.add_argument("--max-streams", type=int,
+                   default=int(env("LLMMESH_GATEWAY_MAX_STREAMS", "2048")),
+                   help="open Generate/Complete calls on this gateway, all tenants together "
+                        "(each holds a Redis connection while it waits for tokens)")
+    p.add_argument("--max-streams-per-connection", type=int,
+                   default=int(env("LLMMESH_GATEWAY_MAX_STREAMS_PER_CONNECTION", "100")))
+    p.add_argument("--idle-connection-s", type=float,
+                   default=float(env("LLMMESH_GATEWAY_IDLE_CONNECTION_S", "300")),
+                   help="close a client connection with no call for this long")
     metrics.add_arguments(p)
     args = p.parse_args()
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -62,12 +78,17 @@ async def main() -> None:
     except (CatalogError, OSError, KeyError, ValueError) as exc:
         raise SystemExit(f"gateway: {exc}") from None
     # socket_timeout well above the relay's 500 ms XREAD block: a hung Redis cannot hang a call.
+    # Every open call blocks on its own result stream (XREAD) with a pooled connection, so the
+    # pool holds --max-streams of them plus room for admission, batch jobs and health.
     redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True, socket_timeout=5.0,
-                                    socket_connect_timeout=2.0, health_check_interval=10)
+                                    socket_connect_timeout=2.0, health_check_interval=10,
+                                    max_connections=args.max_streams + 256)
     registry = CollectorRegistry()
     frontend = Frontend(redis, FrontendConfig(block_size=args.block_size,
-                                              server_address=args.listen), tracer,
-                        GatewayMetrics(registry))
+                                              server_address=args.listen,
+                                              max_streams_per_tenant=args.max_streams_per_tenant,
+                                              max_streams=args.max_streams),
+                        tracer, GatewayMetrics(registry))
     metrics.start(args, registry)
     try:
         tenants = TenantBook(args.tenants)
@@ -102,7 +123,10 @@ async def main() -> None:
         servicers=[(gateway_pb2_grpc.add_GatewayServiceServicer_to_server, servicer)],
         service_names=[gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name],
         on_shutdown=[close], public=True, healthy=supervisor.healthy,
-        public_tls=tls), args.listen)
+        public_tls=tls, options=server.public_options(
+            max_message_bytes=int(args.max_message_mib * 2**20),
+            max_streams_per_connection=args.max_streams_per_connection,
+            idle_connection_s=args.idle_connection_s)), args.listen)
 
 
 if __name__ == "__main__":

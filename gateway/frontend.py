@@ -33,10 +33,14 @@ class FrontendConfig:
     block_size: int = 16
     max_queue_len: int = 10_000  # per class; beyond it new requests are refused, not dropped
     server_address: str = ""     # host:port clients call (server.address / server.port on spans)
+    max_streams_per_tenant: int = 256   # open calls per tenant on this gateway; 0: no cap
+    max_streams: int = 2048             # open calls on this gateway, all tenants; 0: no cap
 
     def __post_init__(self):
         if self.block_size <= 0 or self.max_queue_len <= 0:
             raise ValueError("block_size and max_queue_len must be positive")
+        if self.max_streams_per_tenant < 0 or self.max_streams < 0:
+            raise ValueError("max_streams_per_tenant and max_streams must be >= 0")
 
 
 @dataclass(slots=True)
@@ -70,6 +74,8 @@ class Frontend:
         self.tracer = tracer
         self.admission = Admission(redis)
         self.metrics = metrics    # gateway.metrics.GatewayMetrics, or None
+        self._open_streams: dict[str, int] = {}   # tenant id -> calls open on this gateway
+        self._num_open = 0
         host, _, port = config.server_address.rpartition(":")
         self._server = ({vocab.SERVER_ADDRESS: host, vocab.SERVER_PORT: int(port)}
                         if port.isdigit() else {})
@@ -81,6 +87,19 @@ class Frontend:
         first, once the request is queued; `span_attributes` go on the gateway's span."""
         tenant.check_model(req.model.name, req.model.allowed_tenants)
         request_class = tenant.cap_class(req.requested_class)
+        # One tenant's open calls are bounded on each gateway (idle streams hold memory and a
+        # file descriptor each): beyond the cap, a clear refusal instead of a slow gateway.
+        cap, tid = self.config.max_streams_per_tenant, tenant.tenant_id
+        if cap and self._open_streams.get(tid, 0) >= cap:
+            raise ResourceExhausted(
+                f"tenant {tid} has {cap} calls open on this gateway, its limit "
+                "(--max-streams-per-tenant): wait for one to end, or retry", retry_after_s=1.0)
+        if self.config.max_streams and self._num_open >= self.config.max_streams:
+            raise ResourceExhausted(
+                f"this gateway has {self.config.max_streams} calls open, its limit "
+                "(--max-streams): retry, or through another gateway", retry_after_s=1.0)
+        self._open_streams[tid] = self._open_streams.get(tid, 0) + 1
+        self._num_open += 1
         # aclosing: a consumer that stops early closes the inner generator (and its span) here,
         # in this task, not in a finalizer elsewhere.
         events = contextlib.aclosing(self._generate(tenant, req, request_class, deadline_unix_ns,
@@ -99,12 +118,19 @@ class Frontend:
                           if isinstance(exc, asyncio.CancelledError) else type(exc).__name__)
             raise
         finally:
+            self._num_open -= 1
+            self._open_streams[tid] -= 1
+            if not self._open_streams[tid]:
+                del self._open_streams[tid]
             if self.metrics is not None:
                 self.metrics.request(operation=req.operation, model=req.model.name,
                                      tenant=tenant.tenant_id, request_class=request_class,
                                      start=start, first=first, last=last, num_output=num_output,
                                      num_input=len(req.prompt_token_ids), end=time.perf_counter(),
                                      error_type=error_type)
+
+    def open_streams(self, tenant_id: str) -> int:
+        return self._open_streams.get(tenant_id, 0)
 
     async def _generate(self, tenant: Tenant, req: ValidRequest, request_class: str,
                         deadline_unix_ns: int, announce: bool, span_attributes: dict | None

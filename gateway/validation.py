@@ -48,6 +48,21 @@ def _check_text_input(req: gateway_pb2.GenerateRequest) -> None:
             raise InvalidArgument(f"messages[{i}].content", "must not be empty")
 
 
+# No token of these tokenizers spans more characters than this on average over a prompt
+# (English runs ~4): text longer than context × this cannot fit, so it is refused before it is
+# tokenized — tokenizing holds the gateway's event loop (and the GIL) for its whole length.
+MAX_CHARS_PER_TOKEN = 16
+
+
+def _check_text_size(req: gateway_pb2.GenerateRequest, context: int) -> None:
+    limit = context * MAX_CHARS_PER_TOKEN
+    size = len(req.prompt) + sum(len(m.content) for m in req.messages)
+    if size > limit:
+        field = "prompt" if req.prompt else "messages"
+        raise InvalidArgument(field, f"{size} characters cannot fit the model's context of "
+                              f"{context} tokens (at most {limit} characters); shorten it")
+
+
 def _sampling(s: common_pb2.SamplingParams, num_prompt: int, context: int) -> dict:
     room = context - num_prompt
     if room < 1:
@@ -89,6 +104,7 @@ def validate(req: gateway_pb2.GenerateRequest, models: dict[str, ServedModel],
     if model is None:
         raise NotFound(f"model {name!r} not found; available: {', '.join(sorted(models))}")
     _check_text_input(req)
+    _check_text_size(req, model.context_length)
     tok = model.tokenizer
     if req.messages:
         text = tok.apply_chat_template([{"role": m.role, "content": m.content} for m in req.messages])

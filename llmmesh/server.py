@@ -126,10 +126,37 @@ class ServiceSpec:
     # Whether the service can do its job now (llmmesh.supervisor.Supervisor.healthy): polled,
     # and grpc.health.v1 says NOT_SERVING while it answers False.
     healthy: Callable[[], Awaitable[bool]] | None = None
+    # gRPC server options over the internal defaults (a public port: public_options()).
+    options: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
         if (self.identity is None) == (not self.public):
             raise ValueError("a service is either internal (identity) or public, not both or neither")
+
+
+# Internal hops carry whole prompts and token lists between trusted services.
+INTERNAL_OPTIONS = (("grpc.max_receive_message_length", 64 * 1024 * 1024),
+                    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+                    ("grpc.so_reuseport", 0))
+
+
+def public_options(*, max_message_bytes: int, max_streams_per_connection: int,
+                   idle_connection_s: float, max_metadata_bytes: int = 16 * 1024
+                   ) -> tuple[tuple[str, int], ...]:
+    """Limits for a port anyone may reach: message and metadata sizes, concurrent streams per
+    connection, keepalive rules a client must keep (pings at most every 30 s without calls;
+    two strikes and the connection is closed), dead peers found by the server's own pings, and
+    connections with no call for `idle_connection_s` closed."""
+    return (("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_metadata_size", max_metadata_bytes),
+            ("grpc.max_concurrent_streams", max_streams_per_connection),
+            ("grpc.keepalive_time_ms", 60_000),
+            ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.keepalive_permit_without_calls", 0),
+            ("grpc.http2.min_ping_interval_without_data_ms", 30_000),
+            ("grpc.http2.max_ping_strikes", 2),
+            ("grpc.max_connection_idle_ms", int(idle_connection_s * 1000)))
 
 
 def _add_port(server: grpc.aio.Server, spec: ServiceSpec, listen: str) -> int:
@@ -147,11 +174,9 @@ async def serve(spec: ServiceSpec, listen: str, *, grace_s: float = 5.0,
     """Run until SIGTERM/SIGINT (or stop_event), then drain calls for `grace_s` and shut down."""
     # Roles first: a refused caller never reaches the servicer or its error mapping.
     interceptors = [RoleInterceptor()] if spec.identity else []
-    server = grpc.aio.server(interceptors=[*interceptors, ErrorMappingInterceptor()], options=[
-        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        ("grpc.max_send_message_length", 64 * 1024 * 1024),
-        ("grpc.so_reuseport", 0),
-    ])
+    options = dict(INTERNAL_OPTIONS) | dict(spec.options)
+    server = grpc.aio.server(interceptors=[*interceptors, ErrorMappingInterceptor()],
+                             options=list(options.items()))
     for add, servicer in spec.servicers:
         add(servicer, server)
     health_servicer = health.aio.HealthServicer()

@@ -50,8 +50,11 @@ async def main() -> None:
     server.configure_logging("router")
     identity = MeshIdentity.from_env(Role.ROUTER)
     tracer = telemetry.setup_tracing("llmmesh-router", args.otlp_endpoint, identity)
+    # redis-py's asyncio pool holds 100 connections by default and then refuses: a router
+    # relays every in-flight request with its own Redis calls, so give it room.
     redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True,
-                                    socket_connect_timeout=2.0, health_check_interval=10)
+                                    socket_connect_timeout=2.0, health_check_interval=10,
+                                    max_connections=2048)
     registry = WorkerRegistry(redis, identity, breaker_open_s=args.breaker_open_s)
     dispatcher = Dispatcher(redis, registry, make_policy(args.policy),
                             DispatcherConfig(consumer=args.consumer, class_policy=ClassPolicy(

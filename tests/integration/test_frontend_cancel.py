@@ -95,3 +95,45 @@ def test_a_cancel_lost_inside_redis_py_still_ends_the_relay_and_aborts(redis_ser
         return cancelled, len(reads)
     cancelled, reads = asyncio.run(body())
     assert cancelled == 1 and reads <= 2
+
+
+def test_open_calls_are_capped_per_tenant_and_per_gateway(redis_server):
+    """Tenant cap 2, gateway cap 3: acme's third call and globex's second are refused, naming
+    the flag; a call that ends (here: cancelled) gives its place back."""
+    from llmmesh.errors import ResourceExhausted
+
+    def start(frontend, tenant_id, request_id):
+        req = ValidRequest(request_id, ServedModel("m", 2048, "int8", _Tokenizer()), [1, 2, 3],
+                           {"max_tokens": 4, "stop": []}, "interactive")
+        tenant = Tenant(tenant_id, ("interactive", "batch"), tenant_id)
+
+        async def consume():
+            async for _ in frontend.generate(tenant, req, 0):
+                pass
+        return asyncio.create_task(consume())
+
+    async def body():
+        client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        frontend = Frontend(client, FrontendConfig(max_streams_per_tenant=2, max_streams=3),
+                            trace.get_tracer("test"))
+        calls = [start(frontend, "acme", "a1"), start(frontend, "acme", "a2")]
+        await asyncio.sleep(0.3)                       # admitted, waiting for tokens
+        third = start(frontend, "acme", "a3")
+        with pytest.raises(ResourceExhausted, match="--max-streams-per-tenant"):
+            await third
+        calls.append(start(frontend, "globex", "g1"))  # another tenant still may
+        await asyncio.sleep(0.3)
+        with pytest.raises(ResourceExhausted, match=r"--max-streams\)"):
+            await start(frontend, "globex", "g2")      # the gateway is full
+        assert (frontend.open_streams("acme"), frontend.open_streams("globex")) == (2, 1)
+        calls[0].cancel()
+        await asyncio.gather(calls[0], return_exceptions=True)
+        calls.append(start(frontend, "globex", "g3"))  # the place came back
+        await asyncio.sleep(0.3)
+        assert not calls[-1].done() and frontend.open_streams("globex") == 2
+        for c in calls:
+            c.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        assert frontend.open_streams("acme") == frontend.open_streams("globex") == 0
+        await client.aclose()
+    asyncio.run(body())
