@@ -65,6 +65,10 @@ def _args() -> argparse.Namespace:
     p.add_argument("--batch-ms-with-interactive", type=float,
                    default=float(env("LLMMESH_BATCH_MS_WITH_INTERACTIVE", "10")),
                    help="predicted ms batch work may add to a step holding interactive work")
+    p.add_argument("--interactive-slowdown", type=float,
+                   default=float(env("LLMMESH_INTERACTIVE_SLOWDOWN", "1.5")),
+                   help="batch work may make a step holding interactive work at most this many "
+                        "times the interactive work's own predicted step (0: off)")
     p.add_argument("--batch-nice", type=int, default=int(env("LLMMESH_BATCH_NICE", "10")),
                    help="CPU: nice value for steps holding only batch work (0: off)")
     p.add_argument("--threads", type=int, default=int(env("LLMMESH_THREADS", "0")) or None)
@@ -116,6 +120,7 @@ async def main() -> None:
                         batch_tokens_with_interactive=args.batch_tokens_with_interactive,
                         batch_step_budget_ms=args.batch_step_budget_ms or None,
                         batch_ms_with_interactive=args.batch_ms_with_interactive,
+                        interactive_slowdown=args.interactive_slowdown,
                         batch_nice=args.batch_nice or None)
     try:
         catalog = CatalogFile(args.catalog)

@@ -247,10 +247,11 @@ def _teach(scheduler: Scheduler, fixed: float, per_token: float, per_kkey: float
         scheduler.step_cost.observe(tokens, keys, fixed + per_token * tokens + per_kkey * keys / 1e3)
 
 
-def _time_capped(budget_ms=50.0, with_interactive_ms=10.0, blocks=1024):
+def _time_capped(budget_ms=50.0, with_interactive_ms=10.0, blocks=1024, slowdown=0.0):
     config = EngineConfig(block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=256,
                           max_batch_tokens_per_step=64, batch_step_budget_ms=budget_ms,
-                          batch_ms_with_interactive=with_interactive_ms)
+                          batch_ms_with_interactive=with_interactive_ms,
+                          interactive_slowdown=slowdown)
     return Scheduler(config, CacheInfo(blocks, BLOCK, 1, 4096), frozenset({EOS}))
 
 
@@ -295,6 +296,30 @@ def test_long_context_batch_decodes_ride_along_with_a_chat_only_within_its_time_
     # 12 ms for batch beside the user's prefill: two long decodes (2 x 5 ms), not three.
     assert plan(out) == [("b0", 1), ("b1", 1), ("chat", 5)]
     assert all(r.status == RequestStatus.RUNNING for r in scheduler.running)
+
+
+@pytest.mark.parametrize("slowdown, batch_decodes", [(0.0, 2), (1.5, 1), (2.0, 1), (3.0, 2),
+                                                     (5.0, 2)])
+def test_batch_beside_a_running_chat_keeps_its_step_within_the_slowdown(slowdown, batch_decodes):
+    scheduler = _time_capped(with_interactive_ms=12.0, blocks=4096, slowdown=slowdown)
+    _long_context_decoders(scheduler, 3, 2000)
+    add(scheduler, "chat", 5, priority=I, arrival=10, first_token=30000)
+    step(scheduler, step_s=0.0)                  # the chat's prefill: it now decodes
+    # fixed 4 ms; a decode 1 ms + 2 ms per 1,000 keys: the chat's (~5 keys) ~1 ms, a batch
+    # decode at 2,000 keys 5 ms. The chat alone: a 5 ms step. Slowdown f lets batch add
+    # (f - 1) x 5 ms: 2.5 ms (f 1.5, only the first batch request, which always advances),
+    # 5 ms (f 2: one), 10 ms (f 3: two); never more than the 12 ms cap (f 5: two, not four).
+    _teach(scheduler, fixed=0.004, per_token=0.001, per_kkey=0.002)
+    out = scheduler.schedule()
+    assert ("chat", 1) in plan(out)
+    assert sum(1 for rid, _ in plan(out) if rid.startswith("b")) == batch_decodes
+
+
+def test_without_a_user_waiting_the_slowdown_does_not_apply():
+    scheduler = _time_capped(with_interactive_ms=12.0, blocks=4096, slowdown=1.5)
+    _long_context_decoders(scheduler, 3, 2000)
+    _teach(scheduler, fixed=0.004, per_token=0.001, per_kkey=0.002)
+    assert plan(scheduler.schedule()) == [("b0", 1), ("b1", 1), ("b2", 1)]   # 50 ms budget
 
 
 def test_the_first_batch_request_always_advances_even_over_budget():

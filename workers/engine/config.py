@@ -45,6 +45,11 @@ class EngineConfig:
     # long-context batch decode reads its whole KV cache: ~90 MB at 2,000 tokens here). The
     # first batch request of every step still advances, so batch is slowed, never starved.
     batch_ms_with_interactive: float = 10.0
+    # ...and no more than keeps the step within this factor of the interactive work's own
+    # predicted step (its decodes and prefill chunks plus the step's fixed cost): interactive
+    # TPOT and TTFT stay within the factor of their unloaded values, learned as the step-time
+    # model learns. 0 turns it off (only batch_ms_with_interactive applies).
+    interactive_slowdown: float = 1.5
     # Run EngineCore.calibrate() at start-up (warm-up + the step-time model's anchor).
     calibrate: bool = True
     # Nice value of the step thread while a step holds only batch-class work (CPU devices;
@@ -74,6 +79,8 @@ class EngineConfig:
             raise ValueError("batch_nice must be in [0, 19] when set")
         if self.batch_ms_with_interactive < 0:
             raise ValueError("batch_ms_with_interactive must be >= 0")
+        if self.interactive_slowdown and self.interactive_slowdown < 1:
+            raise ValueError("interactive_slowdown must be >= 1 (or 0: off)")
         if self.batch_step_budget_ms is not None and self.batch_step_budget_ms <= 0:
             raise ValueError("batch_step_budget_ms must be positive when set")
         for name in ("num_gpu_blocks", "max_model_len", "num_threads"):

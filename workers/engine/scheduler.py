@@ -34,17 +34,31 @@ class SchedulerOutput:
 class _StepBatch:
     """The batch being built: token counts per request and what is left of the budgets — the
     step's tokens, batch-class work's own tokens, and (once the step-time model is fitted) the
-    seconds batch work may still add to the step."""
+    seconds batch work may still add to the step.
+
+    With interactive work in the step and a slowdown factor f, batch work may add at most
+    (f - 1) × (fixed step cost + the interactive work's predicted cost): the step, and with it
+    every interactive token, takes at most f times what the interactive work alone would."""
 
     def __init__(self, budget: int, batch_budget: int, cost: StepCostModel | None = None,
-                 batch_time_s: float | None = None) -> None:
+                 batch_time_s: float | None = None, slowdown: float = 0.0) -> None:
         self.budget = budget
         self.batch_budget = batch_budget
         # Given only with a time budget, which the scheduler sets once the model is fitted.
         self.cost = cost if batch_time_s is not None else None
         self.batch_time_s = batch_time_s or 0.0
+        self.slowdown = slowdown if self.cost is not None else 0.0
+        self._fixed_s = self.cost.predict(0, 0) if self.slowdown else 0.0
         self.num_tokens: dict[str, tuple[Request, int]] = {}
         self._batch_cost: dict[str, float] = {}
+        self._interactive_cost: dict[str, float] = {}
+
+    def _batch_time_left(self) -> float:
+        left = self.batch_time_s
+        if self.slowdown:
+            share = (self.slowdown - 1) * (self._fixed_s + sum(self._interactive_cost.values()))
+            left = min(left, share - sum(self._batch_cost.values()))
+        return left
 
     def room(self, request: Request, start: int) -> int:
         """Tokens `request` may add at offset `start` (its computed or cached tokens)."""
@@ -54,7 +68,7 @@ class _StepBatch:
         if self.cost is not None:
             # Whatever the prediction, the first batch request of a step always advances.
             floor = 0 if self._batch_cost else 1
-            room = min(room, max(floor, self.cost.tokens_within(start, self.batch_time_s)))
+            room = min(room, max(floor, self.cost.tokens_within(start, self._batch_time_left())))
         return room
 
     def add(self, request: Request, num_tokens: int, start: int) -> None:
@@ -65,11 +79,14 @@ class _StepBatch:
             cost = self.cost.cost(start, num_tokens) if self.cost is not None else 0.0
             self._batch_cost[request.request_id] = cost
             self.batch_time_s -= cost
+        elif self.slowdown:
+            self._interactive_cost[request.request_id] = self.cost.cost(start, num_tokens)
 
     def discard(self, request: Request) -> None:
         entry = self.num_tokens.pop(request.request_id, None)
         if entry is not None:
             self.budget += entry[1]
+            self._interactive_cost.pop(request.request_id, None)
             if request.priority == Priority.BATCH:
                 self.batch_budget += entry[1]
                 self.batch_time_s += self._batch_cost.pop(request.request_id, 0.0)
@@ -85,6 +102,7 @@ class Scheduler:
         budget_ms = config.batch_step_budget_ms
         self.batch_step_budget_s = None if budget_ms is None else budget_ms / 1e3
         self.batch_s_with_interactive = config.batch_ms_with_interactive / 1e3
+        self.interactive_slowdown = config.interactive_slowdown or 0.0
         self.step_cost = StepCostModel()
         self.max_model_len = cache_info.max_model_len
         self.eos_token_ids = eos_token_ids
@@ -115,13 +133,13 @@ class Scheduler:
         interactive = self.has_interactive()
         guard = self.batch_tokens_with_interactive
         tokens = guard if guard and interactive else self.max_batch_tokens_per_step
-        seconds = None
+        seconds, slowdown = None, 0.0
         if self.batch_step_budget_s is not None and self.step_cost.ready:
             if interactive:
-                seconds = self.batch_s_with_interactive
+                seconds, slowdown = self.batch_s_with_interactive, self.interactive_slowdown
             else:
                 seconds = self.batch_step_budget_s - self.step_cost.predict(0, 0)
-        return _StepBatch(self.max_num_batched_tokens, tokens, self.step_cost, seconds)
+        return _StepBatch(self.max_num_batched_tokens, tokens, self.step_cost, seconds, slowdown)
 
     def schedule(self) -> SchedulerOutput:
         batch = self._new_batch()
