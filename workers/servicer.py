@@ -120,7 +120,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         priority = Priority(request_class.priority)
         outputs = self.engine.generate(request.request_id, list(request.prompt_token_ids), sampling,
                                        priority=priority, cache_salt=request.cache_salt,
-                                       model=request.model)
+                                       model=request.model, tenant=request.tenant_id)
         ids: list[int] = []
         logprobs: list[float] = []
         oldest = 0.0

@@ -346,3 +346,42 @@ def test_usage_reports_the_prefill_s_wall_time_beside_its_device_time(monkeypatc
     assert 0 < final.usage.prefill_device_s < final.usage.prefill_s
     (short,) = [o for o in first if o.request_id == "short"]
     assert short.finished and short.usage.prefill_s == 0.0   # first token in its first step
+
+
+def test_a_tenant_that_floods_the_queue_is_interleaved_with_another_not_ahead_of_it():
+    scheduler = make_scheduler(max_seqs=1)
+    for i in range(6):   # acme sends six at once, then globex one
+        scheduler.add_request(Request(f"acme{i}", [10, 11, 12], SamplingParams(max_tokens=1,
+                                      temperature=0), block_size=BLOCK, tenant="acme",
+                                      arrival_time=float(i)))
+    scheduler.add_request(Request("globex0", [20, 21, 22], SamplingParams(max_tokens=1,
+                                  temperature=0), block_size=BLOCK, tenant="globex",
+                                  arrival_time=6.0))
+    order = []
+    while scheduler.has_work():
+        out, _ = step(scheduler)
+        order += [r.request_id for r in out.requests if r.request_id not in order]
+    # Start tags: acme 0, 4, 8, …; globex starts at the class's virtual time (0): second, not
+    # seventh. Requests without a tenant keep arrival order (the other tests).
+    assert order[:2] == ["acme0", "globex0"] and order[2:] == [f"acme{i}" for i in range(1, 6)]
+
+
+def test_an_idle_tenant_gets_no_credit_for_its_idle_time():
+    scheduler = make_scheduler(max_seqs=1)
+    def req(rid, tenant, t):
+        return Request(rid, [10, 11, 12], SamplingParams(max_tokens=1, temperature=0),
+                       block_size=BLOCK, tenant=tenant, arrival_time=t)
+    for i in range(3):
+        scheduler.add_request(req(f"acme{i}", "acme", float(i)))
+    while scheduler.has_work():
+        step(scheduler)
+    # acme's work so far moved the class's clock; globex, idle until now, starts there, and
+    # acme's next request after it: one each, not globex's backlog of credit first.
+    for i in range(3):
+        scheduler.add_request(req(f"globex{i}", "globex", 10.0 + i))
+    scheduler.add_request(req("acme3", "acme", 13.0))
+    order = []
+    while scheduler.has_work():
+        out, _ = step(scheduler)
+        order += [r.request_id for r in out.requests if r.request_id not in order]
+    assert order.index("acme3") <= 2

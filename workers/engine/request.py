@@ -46,12 +46,12 @@ class Request:
                  "_all_token_ids", "sampling_params", "priority", "cache_salt", "block_size",
                  "block_hashes", "block_ids", "num_computed_tokens", "num_cached_tokens",
                  "status", "arrival_time", "arrival_index", "first_scheduled_time",
-                 "first_token_time", "prefill_device_s", "decode_device_s", "num_preemptions")
+                 "first_token_time", "tenant", "fair_start", "prefill_device_s", "decode_device_s", "num_preemptions")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, block_size: int,
                  priority: Priority = Priority.INTERACTIVE, cache_salt: str = "",
-                 arrival_time: float | None = None) -> None:
+                 arrival_time: float | None = None, tenant: str = "") -> None:
         self.request_id = request_id
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -70,6 +70,10 @@ class Request:
         self.arrival_index = next(_arrival_counter)
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        self.tenant = tenant
+        # Start tag in the tenant-fair order of its class (Scheduler.add_request); 0 without a
+        # tenant, so tenantless requests keep arrival order.
+        self.fair_start = 0.0
         self.prefill_device_s = 0.0
         self.decode_device_s = 0.0
         self.num_preemptions = 0
@@ -93,9 +97,10 @@ class Request:
         return len(self.output_token_ids)
 
     @property
-    def sort_key(self) -> tuple[int, float, int]:
-        """Scheduling order: interactive before batch, then first come first served."""
-        return (self.priority, self.arrival_time, self.arrival_index)
+    def sort_key(self) -> tuple[int, float, float, int]:
+        """Scheduling order: interactive before batch, then tenant-fair (start-time fair
+        queueing over tenants), then first come first served."""
+        return (self.priority, self.fair_start, self.arrival_time, self.arrival_index)
 
     def append_output_token_id(self, token_id: int, logprob: float | None = None) -> None:
         if self.first_token_time is None:

@@ -110,6 +110,8 @@ class Scheduler:
                                  config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []      # kept sorted by Request.sort_key
+        self._virtual_time: dict[int, float] = {}            # per class: last admitted start tag
+        self._tenant_finish: dict[tuple[int, str], float] = {}   # per (class, tenant)
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()
         self.num_prefix_query_tokens = 0
@@ -119,6 +121,17 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already in the engine")
+        if request.tenant:
+            # Start-time fair queueing per class: a request starts at the later of the class's
+            # virtual time (the start tag last admitted) and its tenant's last finish tag, and
+            # finishes its work (prompt + max tokens) later. A tenant that sends many at once
+            # is interleaved with others instead of ahead of them; an idle one gets no credit.
+            key = (request.priority, request.tenant)
+            start = max(self._virtual_time.get(request.priority, 0.0),
+                        self._tenant_finish.get(key, 0.0))
+            request.fair_start = start
+            self._tenant_finish[key] = start + request.num_prompt_tokens + \
+                request.sampling_params.max_tokens
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
@@ -189,6 +202,9 @@ class Scheduler:
                 if not self._preempt_lower_priority(request, batch, preempted):
                     return   # strict order: nobody overtakes the head of the queue
             self.waiting.pop(0)
+            if request.tenant:
+                self._virtual_time[request.priority] = max(
+                    self._virtual_time.get(request.priority, 0.0), request.fair_start)
             self._admit(request, num_cached)
             batch.add(request, num_new, num_cached)
 
