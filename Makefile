@@ -53,14 +53,14 @@ clean:
 bench-scheduling: venv
 	$(PY) -m bench.scheduling $(BENCH_ARGS)
 
-# Chaos: the tests/chaos scenarios at 5x their `make test` size (~5 min); writes bench/results/chaos.md.
+# Chaos: the tests/chaos scenarios at 5x their `make test` size (~10 min); writes bench/results/chaos.md.
 CHAOS_MD := bench/results/chaos.md
 chaos: venv
 	@{ echo "# Chaos: nothing lost, nothing billed twice"; echo; \
 	   echo "- command: \`make chaos\` (LLMMESH_CHAOS_SCALE=5 pytest tests/chaos)"; \
 	   echo "- commit: $$(git rev-parse --short HEAD)$$(git diff --quiet HEAD -- . ':!bench/results' || echo ' + uncommitted changes')"; \
 	   echo "- machine: $$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $$(nproc) CPUs"; echo; \
-	   echo "Counts from client records against the ledger (real model, 1 worker, 2 routers)."; echo; \
+	   echo "Counts from client records against the ledger (real model; costd and router scenarios: 1 worker, 2 routers; F5-Q2: 2 gateways, 2 routers, 2 workers)."; echo; \
 	   echo "| scenario | sent | completed | typed errors | lost | double-billed | unbilled tokens |"; \
 	   echo "|---|---|---|---|---|---|---|"; } > $(CHAOS_MD)
 	LLMMESH_CHAOS_SCALE=5 LLMMESH_CHAOS_REPORT=$(abspath $(CHAOS_MD)) $(PY) -m pytest -q -s -ra tests/chaos

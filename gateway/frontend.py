@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -22,10 +23,19 @@ from llmmesh.errors import (AlreadyExists, DeadlineExceeded, InvalidArgument, Me
                             ResourceExhausted, Unavailable, error_from_code)
 from llmmesh.prefix_hash import block_hashes, cache_salt
 
+log = logging.getLogger("gateway.frontend")
+
 # How long one XREAD blocks; bounds how late a deadline or a dead Redis is noticed.
 _POLL_BLOCK_MS = 500
 # Concurrency slots of requests without a deadline expire after this, should nobody settle them.
 _DEFAULT_LEASE_S = 900.0
+# A request already queued rides out a Redis outage this long (its entry and tokens are in the
+# append-only file; the router resumes it): the relay reads on from where it was once Redis is
+# back. Longer, or past the deadline: UNAVAILABLE. New requests fail at once meanwhile.
+_OUTAGE_GRACE_S = 5.0
+_OUTAGE_RETRY_S = 0.1
+# A cancel that could not be published (Redis down) is tried again this long.
+_CANCEL_RETRY_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +86,7 @@ class Frontend:
         self.metrics = metrics    # gateway.metrics.GatewayMetrics, or None
         self._open_streams: dict[str, int] = {}   # tenant id -> calls open on this gateway
         self._num_open = 0
+        self._cancels: set[asyncio.Task] = set()   # cancels waiting for Redis to come back
         host, _, port = config.server_address.rpartition(":")
         self._server = ({vocab.SERVER_ADDRESS: host, vocab.SERVER_PORT: int(port)}
                         if port.isdigit() else {})
@@ -160,7 +171,9 @@ class Frontend:
                     raise
                 if announce:
                     yield Admitted(entry.request_id, request_class)
-                async for out in self._relay(req, entry.request_id, request_class, deadline_unix_ns):
+                claim = queue.claim_key(tenant.tenant_id, req.request_id)
+                async for out in self._relay(req, entry.request_id, request_class, deadline_unix_ns,
+                                             claim):
                     if isinstance(out, FinalOut):
                         span.set_attributes({
                             vocab.RESPONSE_MODEL: req.model.name,
@@ -236,15 +249,26 @@ class Frontend:
             traceparent=telemetry.inject_traceparent(), operation=req.operation)
 
     async def _relay(self, req: ValidRequest, request_id: str, request_class: str,
-                     deadline_unix_ns: int) -> AsyncIterator[TokensOut | FinalOut]:
+                     deadline_unix_ns: int, claim: str) -> AsyncIterator[TokensOut | FinalOut]:
         detok = TextStream(req.model.tokenizer, req.sampling.get("stop"))
         stream, last_id, finished, next_index = queue.result_stream(request_id), "0-0", False, 0
         task = asyncio.current_task()
+        outage_since = None
         try:
             while True:
                 if deadline_unix_ns and time.time_ns() > deadline_unix_ns:
                     raise DeadlineExceeded("deadline passed before the request finished")
-                reply = await self.redis.xread({stream: last_id}, count=64, block=_POLL_BLOCK_MS)
+                try:
+                    reply = await self.redis.xread({stream: last_id}, count=64, block=_POLL_BLOCK_MS)
+                    if outage_since is not None:
+                        await self._check_survived(request_id, claim, outage_since)
+                        outage_since = None
+                except RedisError:
+                    outage_since = outage_since or time.monotonic()
+                    if time.monotonic() - outage_since > _OUTAGE_GRACE_S:
+                        raise
+                    await asyncio.sleep(_OUTAGE_RETRY_S)
+                    continue
                 if task is not None and task.cancelling():
                     # The client went away but the cancel was swallowed on the way: Python
                     # 3.11's asyncio.wait_for (redis-py wraps each send in it) returns its
@@ -276,10 +300,38 @@ class Frontend:
             if not finished:
                 await self._cancel(request_id)
 
+    async def _check_survived(self, request_id: str, claim: str, outage_since: float) -> None:
+        """After an outage: Redis restarted without its data if the request's id claim (written
+        with its queue entry) is gone. Then nobody will ever run it: UNAVAILABLE now."""
+        if await self.redis.get(claim) == request_id:
+            log.info("request %s: Redis back after %.1f s; relaying on", request_id,
+                     time.monotonic() - outage_since)
+            return
+        log.error("request %s: lost with Redis's data (it restarted empty); client told "
+                  "UNAVAILABLE", request_id)
+        raise Unavailable("the queue store lost this request (it restarted without its data); retry")
+
     async def _cancel(self, request_id: str) -> None:
         # Runs while the client call is being torn down: never let it raise.
-        with contextlib.suppress(RedisError, asyncio.CancelledError):
+        try:
             await asyncio.shield(self._publish_cancel(request_id))
+        except asyncio.CancelledError:
+            pass
+        except RedisError:
+            # Redis is down: the request may still be in its append-only file and resume once
+            # it is back. Cancel it then, so it neither runs on nor bills what nobody received.
+            task = asyncio.get_running_loop().create_task(self._cancel_when_back(request_id))
+            self._cancels.add(task)
+            task.add_done_callback(self._cancels.discard)
+
+    async def _cancel_when_back(self, request_id: str) -> None:
+        deadline = time.monotonic() + _CANCEL_RETRY_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            with contextlib.suppress(RedisError):
+                await self._publish_cancel(request_id)
+                return
+        log.warning("request %s: cancel not published within %.0f s", request_id, _CANCEL_RETRY_S)
 
     async def _publish_cancel(self, request_id: str) -> None:
         await self.redis.set(queue.cancel_key(request_id), "1", ex=queue.RESULT_TTL_S)

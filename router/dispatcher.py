@@ -30,6 +30,8 @@ from router.relay import (MAX_ATTEMPTS, RequestFailed, RequestProgress, apply_st
 
 log = logging.getLogger("router.dispatcher")
 HELD_RECHECK_MS = 20
+# A request whose Redis failed under it is tried again this often (Redis restarting).
+REDIS_RETRY_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,8 +180,7 @@ class Dispatcher:
         self.running[rid] = held
         if held.request_class == RequestClass.BATCH:
             self._batch_inflight += 1
-        task = asyncio.create_task(self._serve(held.request_class, held.entry_id, held.progress,
-                                               held.fresh))
+        task = asyncio.create_task(self._serve_through_outages(held))
 
         def done(_):
             self.running.pop(rid, None)
@@ -188,6 +189,38 @@ class Dispatcher:
                 self._batch_inflight -= 1
             self._slot_freed.set()
         task.add_done_callback(done)
+
+    async def _serve_through_outages(self, held: Held) -> None:
+        """_serve, again after Redis failed under it (it kept the request's entry and tokens in
+        its append-only file): from what the result stream holds once Redis answers, while
+        this router still holds the entry, so no other router takes it over meanwhile."""
+        fresh = held.fresh
+        while True:
+            try:
+                await self._serve(held.request_class, held.entry_id, held.progress, fresh)
+                return
+            except RedisError as exc:
+                log.warning("request %s: Redis failed under it (%s); resuming it once Redis "
+                            "answers", held.progress.entry.request_id, exc)
+            fresh = False
+            await asyncio.sleep(REDIS_RETRY_S)
+            if not await self._still_queued(held):
+                return
+
+    async def _still_queued(self, held: Held) -> bool:
+        """Whether Redis still holds the entry after an outage (False: it restarted without its
+        data; the request's gateway tells its client UNAVAILABLE, and nothing is run or billed)."""
+        try:
+            if await self._deliveries(queue.queue_stream(held.request_class), held.entry_id):
+                return True
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                return True
+        except RedisError:
+            return True   # still down: _serve finds out and waits again
+        log.error("request %s: its queue entry is gone (Redis restarted without its data); "
+                  "dropped", held.progress.entry.request_id)
+        return False
 
     async def _serve(self, cls: str, entry_id: str, p: RequestProgress, fresh: bool = False) -> None:
         e = p.entry

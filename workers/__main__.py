@@ -28,6 +28,7 @@ from workers.servicer import WorkerServicer
 
 log = logging.getLogger("workers")
 LEASE_TTL_S = 10
+FAIL_AFTER_STEPS_ENV = "LLMMESH_TEST_FAIL_AFTER_STEPS"
 
 
 def _args() -> argparse.Namespace:
@@ -137,6 +138,8 @@ async def main() -> None:
         preload = [catalog.current().default]
     await host.start(preload)
     engine = host.engine
+    if os.environ.get(FAIL_AFTER_STEPS_ENV):
+        _fail_after_steps(engine, int(os.environ[FAIL_AFTER_STEPS_ENV]))
     if args.metrics_port >= 0:
         worker_metrics = WorkerMetrics(CollectorRegistry(), engine, args.worker_id, host)
         engine.on_step = worker_metrics.on_step
@@ -156,6 +159,7 @@ async def main() -> None:
     servicer = WorkerServicer(host, args.worker_id, device_type, tracer, results=redis)
     supervisor = Supervisor()
     supervisor.add_check("redis", redis_check(redis))
+    supervisor.add_check("engine", engine_check(engine))
 
     def ready(address: str) -> None:
         def lease() -> dict:
@@ -182,6 +186,31 @@ async def main() -> None:
         servicers=[(worker_pb2_grpc.add_WorkerServiceServicer_to_server, servicer)],
         service_names=[worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name],
         on_shutdown=[close], identity=identity, healthy=supervisor.healthy), args.listen, ready=ready)
+
+
+def engine_check(engine: AsyncEngine):
+    """Health: NOT_SERVING while the engine's steps fail (until one succeeds again)."""
+    async def steps_succeed() -> bool:
+        return engine.num_failed_steps == 0
+    return steps_succeed
+
+
+def _fail_after_steps(engine: AsyncEngine, num_steps: int) -> None:
+    """Tests only (the chaos suite's F7): every forward pass after the first `num_steps` of the
+    loaded models raises, as a device fault would."""
+    log.warning("%s=%d: the engine's forward passes will fail (fault injection for tests)",
+                FAIL_AFTER_STEPS_ENV, num_steps)
+    done = [0]
+    for name in engine.models:
+        runner = engine.core_of(name).runner
+        execute = runner.execute
+
+        def failing(scheduler_output, execute=execute):
+            done[0] += 1
+            if done[0] > num_steps:
+                raise RuntimeError(f"injected fault: forward pass {done[0]} after {num_steps}")
+            return execute(scheduler_output)
+        runner.execute = failing
 
 
 def _cuda_name() -> str:

@@ -246,13 +246,15 @@ def test_a_failing_step_fails_its_requests_and_the_loop_keeps_serving(model, ref
         engine.core.runner.execute = fail_once
         try:
             failed = await collect(engine, "a", [1, 2, 3])
+            failing = engine.num_failed_steps   # the worker's health says NOT_SERVING meanwhile
             served = await collect(engine, "b", [4, 5, 6])
-            return failed, served, engine.load()
+            return failed, failing, served, engine.load(), engine.num_failed_steps
         finally:
             await engine.shutdown()
 
-    (_, failed), (tokens, served), load = asyncio.run(main())
+    (_, failed), failing, (tokens, served), load, after = asyncio.run(main())
     assert failed.finish_reason == "error" and "device fell over" in failed.error
+    assert failing == 1 and after == 0   # a step that succeeds again clears it
     assert served.finish_reason == "length" and tokens == reference([4, 5, 6])
     assert load.num_free_blocks == load.num_total_blocks
 

@@ -51,6 +51,9 @@ class AsyncEngine:
         self._loads: dict[str, EngineLoad] = {}     # snapshots published by the step thread
         self._detached: dict[str, asyncio.Future] = {}
         self._on_step = None
+        # Steps failed in a row (step thread writes, health reads): > 0 means the engine cannot
+        # serve now, and the worker's health says NOT_SERVING until a step succeeds again.
+        self.num_failed_steps = 0
 
     @property
     def cache_info(self) -> CacheInfo:
@@ -290,10 +293,14 @@ class AsyncEngine:
 
     def _step(self, core: EngineCore) -> list[RequestOutput]:
         try:
-            return core.step()
+            outputs = core.step()
         except Exception as exc:   # a failed step must not kill the loop that serves everyone
-            log.exception("engine step failed; failing the running requests")
+            self.num_failed_steps += 1
+            log.exception("engine step failed (%d in a row); failing the running requests",
+                          self.num_failed_steps)
             return core.fail_running(f"engine step failed: {exc!r}")
+        self.num_failed_steps = 0
+        return outputs
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         if not outputs:

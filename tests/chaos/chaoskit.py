@@ -1,0 +1,205 @@
+"""What every chaos scenario shares: clients that record what they got, and the report that
+holds those records against the costd ledger.
+
+A client record is one request as its client saw it: the tokens that reached it, and how it
+ended (a final with usage, a typed gRPC error, or neither: lost). Each request carries a client
+id `<tag>-<i>`, so a scenario's ledger rows are found by id (the ledger's request id is
+`tenant/<client id>/<nonce>`) even when several scenarios share one mesh. The report prints
+
+    sent / completed / typed errors / lost / double-billed / unbilled tokens
+
+and asserts what the issue asks of every scenario: lost = 0, double-billed = 0, unbilled
+delivered tokens = 0, and the ledger's tokens per tenant equal to what the clients observed
+(completion tokens of every request; prompt tokens of the completed ones: a client that got an
+error is never told its prompt's size). A row goes to $LLMMESH_CHAOS_REPORT under `make chaos`.
+"""
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+
+from llmmesh import mtls
+from llmmesh.identity import Role
+from llmmesh.mtls import MeshIdentity
+from llmmesh.v1 import gateway_pb2_grpc
+from tests.e2e.meshkit import DEMO_KEYS, auth, chat, wait_until
+
+SCALE = int(os.environ.get("LLMMESH_CHAOS_SCALE", "1"))   # make chaos: 5
+TENANTS = ("acme", "globex")
+
+
+@dataclass
+class Outcome:
+    """One request as its client saw it."""
+
+    tenant: str
+    client_id: str
+    num_tokens: int = 0                 # completion tokens that reached the client
+    usage: object | None = None         # the final's usage when it completed
+    code: grpc.StatusCode | None = None  # the typed error it ended in, if any
+    started: float = 0.0                # time.monotonic() at the call
+    seconds: float = 0.0                # call to its end
+    max_gap_s: float = 0.0              # longest wait between two messages (after the first)
+    chunk_times: list[float] = field(default_factory=list, repr=False)
+
+    @property
+    def lost(self) -> bool:
+        return self.usage is None and self.code is None
+
+
+def generate(gateway: str, tenant: str, client_id: str, prompt: str, max_tokens: int,
+             timeout_s: float) -> Outcome:
+    """One streamed Generate call, recorded."""
+    out = Outcome(tenant, client_id, started=time.monotonic())
+    req = chat(prompt, max_tokens)
+    req.request_id = client_id
+    last = None
+    try:
+        with grpc.insecure_channel(gateway) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            for msg in stub.Generate(req, metadata=auth(DEMO_KEYS[tenant]), timeout=timeout_s):
+                now = time.monotonic()
+                if last is not None:
+                    out.max_gap_s = max(out.max_gap_s, now - last)
+                last = now
+                out.chunk_times.append(now)
+                if msg.HasField("chunk"):
+                    out.num_tokens += len(msg.chunk.token_ids)
+                else:
+                    out.usage = msg.final.usage
+    except grpc.RpcError as exc:
+        out.code = exc.code()
+    except Exception:  # noqa: BLE001 - neither an answer nor a typed error: lost
+        pass
+    out.seconds = time.monotonic() - out.started
+    return out
+
+
+def send(mesh, n: int, tag: str, *, max_tokens: int = 6, concurrency: int = 8,
+         timeout_s: float = 120, gateways: list[str] | None = None,
+         interval_s: float = 0.0) -> list[Outcome]:
+    """n requests from two tenants, `concurrency` at a time, spread over the gateways (default:
+    every gateway of the mesh); with `interval_s`, request i starts no earlier than i times it
+    after the first (an open loop while concurrency allows)."""
+    gateways = gateways or gateway_addresses(mesh)
+    start = time.monotonic()
+
+    def one(i: int) -> Outcome:
+        time.sleep(max(0.0, start + i * interval_s - time.monotonic()))
+        return generate(gateways[i % len(gateways)], TENANTS[i % 2], f"{tag}-{i}",
+                        f"Name a color ({i}).", max_tokens, timeout_s)
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def gateway_addresses(mesh) -> list[str]:
+    return [p.address for name, p in sorted(mesh.procs.items())
+            if name.startswith("gateway") and p.alive()]
+
+
+def ledger_rows(mesh, tag: str) -> dict[str, list[tuple[str, int, int]]]:
+    """The scenario's ledger rows by client id: [(tenant, prompt tokens, completion tokens)]."""
+    conn = sqlite3.connect(f"{mesh.var_dir}/ledger.sqlite")
+    try:
+        rows = conn.execute("SELECT request_id, tenant_id, prompt_tokens, completion_tokens "
+                            "FROM usage_records").fetchall()
+    except sqlite3.OperationalError:   # costd has not made its tables yet
+        rows = []
+    finally:
+        conn.close()
+    by_client: dict[str, list[tuple[str, int, int]]] = {}
+    for request_id, tenant, prompt, completion in rows:
+        parts = request_id.split("/")
+        if len(parts) == 3 and parts[1].startswith(f"{tag}-"):
+            by_client.setdefault(parts[1], []).append((tenant, prompt, completion))
+    return by_client
+
+
+@dataclass
+class Tally:
+    sent: int
+    completed: int
+    errors: int
+    lost: int
+    doubled: int        # bills beyond the first for one request
+    unbilled: int       # tokens a client received that no bill holds
+    overbilled: int     # tokens billed that no client received
+    client: dict        # tenant -> (requests billed, prompt tokens, completion tokens)
+    ledger: dict
+
+    @property
+    def row(self) -> str:
+        return (f"sent={self.sent} completed={self.completed} typed errors={self.errors} "
+                f"lost={self.lost} double-billed={self.doubled} unbilled tokens={self.unbilled}")
+
+
+def tally(outcomes: list[Outcome], rows: dict[str, list[tuple[str, int, int]]]) -> Tally:
+    client: dict[str, list[int]] = {t: [0, 0, 0] for t in TENANTS}
+    ledger: dict[str, list[int]] = {t: [0, 0, 0] for t in TENANTS}
+    doubled = unbilled = overbilled = 0
+    for o in outcomes:
+        bills = rows.get(o.client_id, [])
+        doubled += max(0, len(bills) - 1)
+        billed_tokens = bills[0][2] if bills else 0
+        unbilled += max(0, o.num_tokens - billed_tokens)
+        overbilled += max(0, billed_tokens - o.num_tokens)
+        if o.usage is not None or o.num_tokens:   # what must be billed: what reached the client
+            c = client[o.tenant]
+            c[0] += 1
+            c[1] += o.usage.prompt_tokens if o.usage is not None else 0
+            c[2] += o.num_tokens
+        for tenant, prompt, completion in bills:
+            l = ledger.setdefault(tenant, [0, 0, 0])
+            l[0] += 1
+            l[1] += prompt if o.usage is not None else 0
+            l[2] += completion
+    known = {o.client_id for o in outcomes}
+    for client_id, bills in rows.items():   # billed, yet no client sent it (or it was not counted)
+        if client_id not in known:
+            overbilled += sum(b[2] for b in bills)
+            for tenant, _, completion in bills:
+                ledger.setdefault(tenant, [0, 0, 0])[2] += completion
+    lost = sum(o.lost for o in outcomes)
+    errors = sum(o.code is not None for o in outcomes)
+    return Tally(len(outcomes), len(outcomes) - lost - errors, errors, lost, doubled, unbilled,
+                 overbilled, {k: tuple(v) for k, v in client.items()},
+                 {k: tuple(v) for k, v in ledger.items()})
+
+
+def report(name: str, outcomes: list[Outcome], mesh, tag: str, settle_s: float = 30) -> Tally:
+    """Waits (up to settle_s) for the ledger to hold the clients' records, prints the row, writes
+    it under `make chaos`, and asserts the four figures."""
+    def settled():
+        t = tally(outcomes, ledger_rows(mesh, tag))
+        return t if t.client == t.ledger and not (t.doubled or t.unbilled or t.overbilled) else None
+    try:
+        wait_until(settled, settle_s, interval_s=0.2, what="the ledger to match the clients")
+    except AssertionError:
+        pass   # reported and asserted below, with the numbers
+    time.sleep(1.0)   # a late bill (one that should not be) gets its chance to show
+    t = tally(outcomes, ledger_rows(mesh, tag))
+    print(f"\n  {name}: {t.row}" + (f" overbilled tokens={t.overbilled}" if t.overbilled else ""))
+    if os.environ.get("LLMMESH_CHAOS_REPORT"):   # make chaos: one table row per scenario
+        with open(os.environ["LLMMESH_CHAOS_REPORT"], "a") as f:
+            f.write(f"| {name} | {t.sent} | {t.completed} | {t.errors} | {t.lost} | {t.doubled} "
+                    f"| {t.unbilled} |\n")
+    assert t.lost == 0, [o for o in outcomes if o.lost]
+    assert t.doubled == 0 and t.unbilled == 0 and t.overbilled == 0, t
+    assert t.client == t.ledger, t
+    return t
+
+
+def health(mesh, name: str, role: Role = Role.WORKER) -> str:
+    """A service's grpc.health.v1 status name (SERVING, NOT_SERVING), or the error's code."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    try:
+        with mtls.channel(mesh.procs[name].address, MeshIdentity.from_env(Role.ADMIN), role) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    except grpc.RpcError as exc:
+        return exc.code().name
