@@ -385,3 +385,43 @@ def test_an_idle_tenant_gets_no_credit_for_its_idle_time():
         out, _ = step(scheduler)
         order += [r.request_id for r in out.requests if r.request_id not in order]
     assert order.index("acme3") <= 2
+
+
+def _duty_cycle(slowdown: float, mixed_s: float, alone_s: float = 0.005, steps: int = 120,
+                max_skipped: int = 16) -> list[bool]:
+    """Steps with a chat decoding beside a long batch prompt, timed as given: which took the
+    batch work along (the last 40)."""
+    config = EngineConfig(block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=64,
+                          interactive_slowdown=slowdown, max_batch_skipped_steps=max_skipped)
+    scheduler = Scheduler(config, CacheInfo(4096, BLOCK, 1, 8192), frozenset({EOS}))
+    add(scheduler, "chat", 4, priority=I, max_tokens=steps + 10)
+    add(scheduler, "b0", 6000, priority=B, max_tokens=8)
+    step(scheduler)                                          # both admitted; chat decodes next
+    took = []
+    for _ in range(steps):
+        out = scheduler.schedule()
+        with_batch = any(r.request_id == "b0" for r in out.requests)
+        sampled = {r.request_id: TOKEN for r, n in zip(out.requests, out.num_scheduled_tokens)
+                   if r.num_computed_tokens + n == r.num_tokens}
+        scheduler.update_from_output(out, ModelRunnerOutput(sampled),
+                                     mixed_s if with_batch else alone_s)
+        took.append(with_batch)
+    return took[-40:]
+
+
+@pytest.mark.parametrize("slowdown, mixed_s, every", [
+    (1.5, 0.010, 2),     # batch doubles the step: it rides along every other step
+    (1.5, 0.0125, 3),    # 2.5x: every third step (mean 1.5x)
+    (3.0, 0.010, 1),     # within the factor: every step, but one in 17 probes the time alone
+    (1.5, 0.500, 17),    # 100x: every 17th step (16 skipped at most), never starved
+])
+def test_batch_rides_along_with_interactive_as_often_as_the_slowdown_allows(slowdown, mixed_s,
+                                                                             every):
+    took = _duty_cycle(slowdown, mixed_s)
+    expected = (len(took) - 3, len(took) - 2) if every == 1 else (len(took) // every,
+                                                                  len(took) // every + 1)
+    assert sum(took) in expected, took
+
+
+def test_the_duty_cycle_is_off_without_a_slowdown():
+    assert all(_duty_cycle(0.0, 0.500)) and all(_duty_cycle(1.5, 0.500, max_skipped=0))

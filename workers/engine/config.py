@@ -50,6 +50,13 @@ class EngineConfig:
     # TPOT and TTFT stay within the factor of their unloaded values, learned as the step-time
     # model learns. 0 turns it off (only batch_ms_with_interactive applies).
     interactive_slowdown: float = 1.5
+    # The same factor, measured: steps holding interactive work take batch work along only
+    # every k-th step, k from the measured step times with and without it (mixed / alone = r:
+    # k = ceil((r - 1) / (f - 1))), so interactive time per token averages within f of its
+    # unloaded value even where the step-time model misjudges what batch rows cost (a long
+    # context row, a prefill chunk). At most this many steps in a row go without batch work:
+    # slowed, never starved.
+    max_batch_skipped_steps: int = 16
     # Run EngineCore.calibrate() at start-up (warm-up + the step-time model's anchor).
     calibrate: bool = True
     # Nice value of the step thread while a step holds only batch-class work (CPU devices;
@@ -79,6 +86,8 @@ class EngineConfig:
             raise ValueError("batch_nice must be in [0, 19] when set")
         if self.batch_ms_with_interactive < 0:
             raise ValueError("batch_ms_with_interactive must be >= 0")
+        if self.max_batch_skipped_steps < 0:
+            raise ValueError("max_batch_skipped_steps must be >= 0")
         if self.interactive_slowdown and self.interactive_slowdown < 1:
             raise ValueError("interactive_slowdown must be >= 1 (or 0: off)")
         if self.batch_step_budget_ms is not None and self.batch_step_budget_ms <= 0:

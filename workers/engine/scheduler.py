@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from workers.engine.request import Priority, Request, RequestStatus
 from workers.engine.step_cost import StepCostModel, keys_attended
 
 MAX_LOAD_HASHES = 1024   # bounds the cache summary a load report carries to the router
+_PROBE_EVERY_STEPS = 16  # with batch in every step, one step in this many runs interactive alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +105,14 @@ class Scheduler:
         self.batch_step_budget_s = None if budget_ms is None else budget_ms / 1e3
         self.batch_s_with_interactive = config.batch_ms_with_interactive / 1e3
         self.interactive_slowdown = config.interactive_slowdown or 0.0
+        self.max_batch_skipped_steps = config.max_batch_skipped_steps
+        self._batch_skipped = 0   # steps in a row with interactive work where batch did not run
+        # Measured step seconds (EMA) of steps with interactive work, without and with batch
+        # work in them; and what the step being run is ("alone", "mixed" or None).
+        self._interactive_alone_s: float | None = None
+        self._interactive_mixed_s: float | None = None
+        self._step_kind: str | None = None
+        self._mixed_streak = 0    # steps in a row with interactive and batch work
         self.step_cost = StepCostModel()
         self.max_model_len = cache_info.max_model_len
         self.eos_token_ids = eos_token_ids
@@ -142,8 +152,7 @@ class Scheduler:
         return any(r.priority == Priority.INTERACTIVE for r in self.running) or any(
             r.priority == Priority.INTERACTIVE for r in self.waiting)
 
-    def _new_batch(self) -> _StepBatch:
-        interactive = self.has_interactive()
+    def _new_batch(self, interactive: bool) -> _StepBatch:
         guard = self.batch_tokens_with_interactive
         tokens = guard if guard and interactive else self.max_batch_tokens_per_step
         seconds, slowdown = None, 0.0
@@ -152,15 +161,57 @@ class Scheduler:
                 seconds, slowdown = self.batch_s_with_interactive, self.interactive_slowdown
             else:
                 seconds = self.batch_step_budget_s - self.step_cost.predict(0, 0)
+        probe = self._mixed_streak >= _PROBE_EVERY_STEPS and self.batch_every_steps_on()
+        if interactive and (self._batch_skipped + 1 < self.batch_every_steps() or probe):
+            # Not this step's turn, or a probe: the interactive work runs alone (and its time
+            # alone stays measured while batch rides along every step).
+            tokens = 0
         return _StepBatch(self.max_num_batched_tokens, tokens, self.step_cost, seconds, slowdown)
 
+    def batch_every_steps_on(self) -> bool:
+        return self.interactive_slowdown > 1 and self.max_batch_skipped_steps > 0
+
+    def batch_every_steps(self) -> int:
+        """k: steps holding interactive work take batch work along once every k steps."""
+        f = self.interactive_slowdown
+        if not self.batch_every_steps_on():
+            return 1
+        alone, mixed = self._interactive_alone_s, self._interactive_mixed_s
+        if alone is None or mixed is None:
+            return 1   # until both are measured (probes measure the time alone)
+        k = math.ceil(max(0.0, mixed / alone - 1) / (f - 1) - 1e-9)
+        return max(1, min(k, self.max_batch_skipped_steps + 1))
+
+    def _count_batch_skips(self, batch: _StepBatch, interactive: bool) -> None:
+        with_batch = any(r.priority == Priority.BATCH for r, _ in batch.num_tokens.values())
+        # Measured like for like: steps whose interactive work is decodes only (what TPOT is).
+        decodes = [n for r, n in batch.num_tokens.values() if r.priority != Priority.BATCH]
+        self._step_kind = None if not decodes or any(n != 1 for n in decodes) else (
+            "mixed" if with_batch else "alone")
+        self._mixed_streak = self._mixed_streak + 1 if interactive and with_batch else 0
+        if not interactive or with_batch:
+            self._batch_skipped = 0
+        elif any(r.priority == Priority.BATCH for r in self.running) or any(
+                r.priority == Priority.BATCH for r in self.waiting):
+            self._batch_skipped += 1
+
+    def _observe_kind(self, step_s: float) -> None:
+        kind, self._step_kind = self._step_kind, None
+        if kind is None or step_s <= 0:
+            return
+        attr = "_interactive_alone_s" if kind == "alone" else "_interactive_mixed_s"
+        last = getattr(self, attr)
+        setattr(self, attr, step_s if last is None else 0.9 * last + 0.1 * step_s)
+
     def schedule(self) -> SchedulerOutput:
-        batch = self._new_batch()
+        interactive = self.has_interactive()
+        batch = self._new_batch(interactive)
         preempted: list[Request] = []
         self._schedule_running(batch, preempted)
         # A step that had to preempt is short of blocks: admitting now would only thrash.
         if not preempted:
             self._schedule_waiting(batch, preempted)
+        self._count_batch_skips(batch, interactive)
         finished, self._finished_ids = frozenset(self._finished_ids), set()
         entries = list(batch.num_tokens.values())
         return SchedulerOutput(tuple(r for r, _ in entries), tuple(n for _, n in entries),
@@ -247,6 +298,7 @@ class Scheduler:
         """Advance each scheduled request by the step's result; return what to stream."""
         outputs = []
         total = scheduler_output.total_num_scheduled_tokens
+        self._observe_kind(step_s)
         self.step_cost.observe(total, sum(
             keys_attended(r.num_computed_tokens, n) for r, n in zip(
                 scheduler_output.requests, scheduler_output.num_scheduled_tokens)), step_s)
