@@ -85,6 +85,7 @@ class Mesh:
     # More OTLP receivers beside costd (a tracing backend; tests capture spans this way).
     extra_otlp_endpoints: list[str] = field(default_factory=list)
     procs: dict[str, Proc] = field(default_factory=dict)
+    _starts: dict[str, tuple] = field(default_factory=dict, repr=False)
     log_dir: str = ""
     # The mesh's CA and role certificates; default LLMMESH_TLS_DIR, else <var_dir>/tls (made here).
     tls_dir: str = ""
@@ -141,6 +142,8 @@ class Mesh:
 
     def start_service(self, name: str, module: str, extra: list[str] | None = None,
                       address: str | None = None, http_listen: str | None = None) -> Proc:
+        # Kept to start it again on other ports should a port picked here be taken meanwhile.
+        self._starts[name] = (module, list(extra or []), address, http_listen)
         address = address or f"127.0.0.1:{free_port()}"
         # The Redis URL (with its password) goes by environment: argv is visible to every user.
         argv = [sys.executable, "-m", module, "--listen", address]
@@ -176,8 +179,16 @@ class Mesh:
         async def one(name: str):
             proc = self.procs[name]
             deadline = time.monotonic() + timeout_s
+            retried = False
             while True:
                 if not proc.alive():
+                    if not retried and self._lost_port_race(name):
+                        # free_port() releases the port before the service binds it: another
+                        # process can take it in between. Once: start it again on new ports.
+                        retried = True
+                        module, extra, address, http_listen = self._starts[name]
+                        proc = self.start_service(name, module, extra, address, http_listen)
+                        continue
                     raise RuntimeError(f"{name} exited with {proc.popen.returncode}; "
                                        f"see {os.path.join(self.log_dir, name + '.log')}")
                 try:
@@ -206,6 +217,16 @@ class Mesh:
         self.start_service("gateway", "gateway", self.gateway_args, address=gateway_listen,
                            http_listen=http_listen)
         await self.wait_ready([n for n in self.procs if n not in ("redis", "costd")], timeout_s)
+
+    def _lost_port_race(self, name: str) -> bool:
+        """The service exited because a port the launcher picked for it was taken."""
+        if name not in self._starts or self._starts[name][2]:   # an address given: not ours
+            return False
+        try:
+            with open(os.path.join(self.log_dir, name + ".log"), errors="replace") as f:
+                return "address already in use" in f.read()[-20_000:].lower()
+        except OSError:
+            return False
 
     def start_worker(self, name: str) -> Proc:
         return self.start_service(name, "workers", ["--worker-id", name, *self.worker_args])
