@@ -156,6 +156,7 @@ class Frontend:
                 vocab.TENANT_ID: tenant.tenant_id, vocab.REQUEST_ID: entry.request_id,
                 vocab.CLIENT_REQUEST_ID: req.request_id, vocab.REQUEST_CLASS: request_class,
                 **self._server, **(span_attributes or {})})
+            ended = False
             try:
                 enqueue = asyncio.ensure_future(
                     self._admit_and_enqueue(tenant, req, entry, deadline_unix_ns))
@@ -175,6 +176,7 @@ class Frontend:
                 async for out in self._relay(req, entry.request_id, request_class, deadline_unix_ns,
                                              claim):
                     if isinstance(out, FinalOut):
+                        ended = True
                         span.set_attributes({
                             vocab.RESPONSE_MODEL: req.model.name,
                             vocab.FINISH_REASONS: [out.finish_reason],
@@ -189,6 +191,12 @@ class Frontend:
                 raise
             except asyncio.CancelledError:
                 span.set_attribute(vocab.ERROR_TYPE, "CANCELLED")
+                raise
+            except GeneratorExit:
+                # Closed by its consumer: the client went away (a deadline, a cancel) while a
+                # token was on its way to it, so no CancelledError reached this frame.
+                if not ended:
+                    span.set_attribute(vocab.ERROR_TYPE, "CANCELLED")
                 raise
 
     async def _admit_and_enqueue(self, tenant: Tenant, req: ValidRequest, entry: queue.QueueEntry,

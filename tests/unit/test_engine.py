@@ -271,7 +271,11 @@ def test_calibration_teaches_the_step_model_and_leaves_nothing_behind(model, ref
     assert not core.scheduler.step_cost.ready
     core.calibrate()
     fixed, per_token, per_kkey = core.scheduler.step_cost.coefficients()
-    assert core.scheduler.step_cost.ready and per_token > 0 and fixed >= 0 and per_kkey >= 0
+    assert core.scheduler.step_cost.ready and min(fixed, per_token, per_kkey) >= 0
+    # It learned that work costs time: a 64-token prefill more than one decode. (Which term
+    # carries it is timing noise on this 2-layer model: per_token alone came out 0 once.)
+    cost = core.scheduler.step_cost
+    assert cost.predict(64, 64 * 65 // 2) > cost.predict(1, 1)
     pool = core.scheduler.kv.pool
     assert not core.has_work() and not core.scheduler.requests
     assert pool.num_free_blocks == pool.num_blocks            # nothing in use (cached is free)
