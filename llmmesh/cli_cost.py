@@ -248,6 +248,20 @@ def _whatif_local(request, response, *flags: str):
     return json_format.Parse(done.stdout, response)
 
 
+def _ask_whatif(method: str, request, response, costd: str, local: bool, *local_flags: str):
+    """A what-if answered by costd over gRPC (`method` of CostService), or with `local` by
+    `python -m costd.whatif` on this checkout's price book and curves."""
+    if local:
+        return _whatif_local(request, response, *local_flags)
+    metadata = credentials(None)
+    with costd_channel(costd) as channel:
+        try:
+            return getattr(cost_pb2_grpc.CostServiceStub(channel), method)(
+                request, metadata=metadata, timeout=60)
+        except grpc.RpcError as error:
+            raise _fail(error)
+
+
 def whatif(profile: str = typer.Option(..., help="traffic profile JSON file"),
            device: str = typer.Option(..., help="device: a100, h100, h200, cpu, or a device type"),
            costd: str = typer.Option(DEFAULT_COSTD, help="costd address"),
@@ -271,16 +285,7 @@ def whatif(profile: str = typer.Option(..., help="traffic profile JSON file"),
             max_devices=max_devices, target_utilisation=target_utilisation,
             autoscale=autoscale, p95_latency_slo_s=p95_slo_s),
         curve_json=Path(curve).read_text() if curve else "")
-    if local:
-        response = _whatif_local(request, cost_pb2.WhatIfResponse())
-    else:
-        metadata = credentials(None)
-        with costd_channel(costd) as channel:
-            try:
-                response = cost_pb2_grpc.CostServiceStub(channel).WhatIf(
-                    request, metadata=metadata, timeout=60)
-            except grpc.RpcError as error:
-                raise _fail(error)
+    response = _ask_whatif("WhatIf", request, cost_pb2.WhatIfResponse(), costd, local)
     if as_json:
         typer.echo(json_format.MessageToJson(response))
     else:
@@ -361,16 +366,8 @@ def whatif_consolidate(
         device=device, price_per_hour=price_per_hour, max_batch=max_batch,
         max_devices=max_devices, target_utilisation=target_utilisation, autoscale=autoscale,
         p95_latency_slo_s=p95_slo_s), device_memory_mib)
-    if local:
-        response = _whatif_local(request, cost_pb2.ConsolidationResponse(), "--consolidation")
-    else:
-        metadata = credentials(None)
-        with costd_channel(costd) as channel:
-            try:
-                response = cost_pb2_grpc.CostServiceStub(channel).WhatIfConsolidation(
-                    request, metadata=metadata, timeout=60)
-            except grpc.RpcError as error:
-                raise _fail(error)
+    response = _ask_whatif("WhatIfConsolidation", request, cost_pb2.ConsolidationResponse(),
+                           costd, local, "--consolidation")
     if as_json:
         typer.echo(json_format.MessageToJson(response))
     else:

@@ -31,12 +31,12 @@ class RequestClass(StrEnum):
 
     @property
     def proto(self) -> int:
-        return common_pb2.RequestClass.Value(f"REQUEST_CLASS_{self.name}")
+        return _CLASS_PROTO[self]
 
     @property
     def priority(self) -> int:
         """The worker engine's priority: 0 is served first."""
-        return list(RequestClass).index(self)
+        return _CLASS_PRIORITY[self]
 
     @classmethod
     def from_proto(cls, value: int) -> RequestClass:
@@ -49,6 +49,8 @@ class RequestClass(StrEnum):
 
 
 DEFAULT_CLASS = RequestClass.INTERACTIVE
+_CLASS_PROTO = {c: common_pb2.RequestClass.Value(f"REQUEST_CLASS_{c.name}") for c in RequestClass}
+_CLASS_PRIORITY = {c: i for i, c in enumerate(RequestClass)}
 CLASSES = tuple(c.value for c in RequestClass)
 
 
@@ -62,10 +64,7 @@ class FinishReason(StrEnum):
 
     @property
     def proto(self) -> int:
-        try:
-            return common_pb2.FinishReason.Value(f"FINISH_REASON_{self.name}")
-        except ValueError:
-            return common_pb2.FINISH_REASON_UNSPECIFIED
+        return _FINISH_PROTO.get(self, common_pb2.FINISH_REASON_UNSPECIFIED)
 
     @classmethod
     def from_proto(cls, value: int, default: FinishReason | None = None) -> FinishReason:
@@ -85,6 +84,9 @@ class FinishReason(StrEnum):
         except ValueError:
             return default or cls.STOP
 
+
+_FINISH_PROTO = {f: common_pb2.FinishReason.Value(f"FINISH_REASON_{f.name}") for f in FinishReason
+                 if f"FINISH_REASON_{f.name}" in common_pb2.FinishReason.keys()}
 
 # Span attribute names: the OTel GenAI semantic conventions (from the conventions package),
 # then ours under llmmesh.*.

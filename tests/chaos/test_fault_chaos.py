@@ -69,7 +69,7 @@ def _wait_routers_see(mesh, name: str) -> None:
     (each refreshes every second), so placement can choose it."""
     client = redis.Redis.from_url(mesh.redis_url)
     try:
-        wait_until(lambda: client.exists(queue.WORKER_KEY_PREFIX + name), 30, interval_s=0.1,
+        wait_until(lambda: client.exists(queue.worker_key(name)), 30, interval_s=0.1,
                    what=f"{name}'s lease")
     finally:
         client.close()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import re
 import sqlite3
 import threading
@@ -263,12 +264,17 @@ PRAGMA user_version=1;
 """
 
 
-def test_v1_ledger_is_migrated_in_place(db_path, tmp_path):
-    (tmp_path / "var").mkdir()
+def _open_old_ledger(db_path: str, script: str) -> UsageLedger:
+    """A ledger file an older costd wrote (its schema `script`), opened by this one."""
+    os.makedirs(os.path.dirname(db_path), exist_ok=True)
     conn = sqlite3.connect(db_path)
-    conn.executescript(V1_SCHEMA)
+    conn.executescript(script)
     conn.close()
-    ledger = UsageLedger(LedgerConfig(db_path)).open()
+    return UsageLedger(LedgerConfig(db_path)).open()
+
+
+def test_v1_ledger_is_migrated_in_place(db_path):
+    ledger = _open_old_ledger(db_path, V1_SCHEMA)
     try:
         assert ledger.usage("acme") == TenantUsage("acme", 1, 10, 4, 7, 250_000_000, 500_000_000)
         ledger.insert([], [interval("w0", S, 2 * S)])  # the new table exists
@@ -288,12 +294,8 @@ PRAGMA user_version=2;
 """
 
 
-def test_v2_ledger_gains_loading_time_in_place(db_path, tmp_path):
-    (tmp_path / "var").mkdir()
-    conn = sqlite3.connect(db_path)
-    conn.executescript(V2_CAPACITY)
-    conn.close()
-    ledger = UsageLedger(LedgerConfig(db_path)).open()
+def test_v2_ledger_gains_loading_time_in_place(db_path):
+    ledger = _open_old_ledger(db_path, V2_CAPACITY)
     try:
         ledger.insert([], [interval("w0", 3 * S, 5 * S, loading_ns=S)])
         assert ledger.store.capacity_by_hour(0, HOUR_NS) == [

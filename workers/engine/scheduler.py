@@ -50,17 +50,12 @@ class _StepBatch:
         self.cost = cost if batch_time_s is not None else None
         self.batch_time_s = batch_time_s or 0.0
         self.slowdown = slowdown if self.cost is not None else 0.0
-        self._fixed_s = self.cost.predict(0, 0) if self.slowdown else 0.0
+        # What batch work may still add under the slowdown: (f - 1) × (fixed + interactive
+        # work so far) − batch work so far, kept as work is added and discarded.
+        self._share_s = (self.slowdown - 1) * self.cost.predict(0, 0) if self.slowdown else 0.0
         self.num_tokens: dict[str, tuple[Request, int]] = {}
-        self._batch_cost: dict[str, float] = {}
-        self._interactive_cost: dict[str, float] = {}
-
-    def _batch_time_left(self) -> float:
-        left = self.batch_time_s
-        if self.slowdown:
-            share = (self.slowdown - 1) * (self._fixed_s + sum(self._interactive_cost.values()))
-            left = min(left, share - sum(self._batch_cost.values()))
-        return left
+        self._cost: dict[str, float] = {}    # predicted seconds of each request's work here
+        self._num_batch = 0
 
     def room(self, request: Request, start: int) -> int:
         """Tokens `request` may add at offset `start` (its computed or cached tokens)."""
@@ -68,30 +63,32 @@ class _StepBatch:
             return self.budget
         room = min(self.budget, self.batch_budget)
         if self.cost is not None:
+            left = min(self.batch_time_s, self._share_s) if self.slowdown else self.batch_time_s
             # Whatever the prediction, the first batch request of a step always advances.
-            floor = 0 if self._batch_cost else 1
-            room = min(room, max(floor, self.cost.tokens_within(start, self._batch_time_left())))
+            floor = 0 if self._num_batch else 1
+            room = min(room, max(floor, self.cost.tokens_within(start, left)))
         return room
+
+    def _account(self, request: Request, num_tokens: int, cost: float, sign: int) -> None:
+        self.budget -= sign * num_tokens
+        if request.priority == Priority.BATCH:
+            self.batch_budget -= sign * num_tokens
+            self.batch_time_s -= sign * cost
+            self._share_s -= sign * cost
+            self._num_batch += sign
+        elif self.slowdown:
+            self._share_s += sign * (self.slowdown - 1) * cost
 
     def add(self, request: Request, num_tokens: int, start: int) -> None:
         self.num_tokens[request.request_id] = (request, num_tokens)
-        self.budget -= num_tokens
-        if request.priority == Priority.BATCH:
-            self.batch_budget -= num_tokens
-            cost = self.cost.cost(start, num_tokens) if self.cost is not None else 0.0
-            self._batch_cost[request.request_id] = cost
-            self.batch_time_s -= cost
-        elif self.slowdown:
-            self._interactive_cost[request.request_id] = self.cost.cost(start, num_tokens)
+        cost = self.cost.cost(start, num_tokens) if self.cost is not None else 0.0
+        self._cost[request.request_id] = cost
+        self._account(request, num_tokens, cost, +1)
 
     def discard(self, request: Request) -> None:
         entry = self.num_tokens.pop(request.request_id, None)
         if entry is not None:
-            self.budget += entry[1]
-            self._interactive_cost.pop(request.request_id, None)
-            if request.priority == Priority.BATCH:
-                self.batch_budget += entry[1]
-                self.batch_time_s += self._batch_cost.pop(request.request_id, 0.0)
+            self._account(request, entry[1], self._cost.pop(request.request_id), -1)
 
 
 class Scheduler:
@@ -109,8 +106,7 @@ class Scheduler:
         self._batch_skipped = 0   # steps in a row with interactive work where batch did not run
         # Measured step seconds (EMA) of steps with interactive work, without and with batch
         # work in them; and what the step being run is ("alone", "mixed" or None).
-        self._interactive_alone_s: float | None = None
-        self._interactive_mixed_s: float | None = None
+        self._interactive_step_s: dict[str, float] = {}
         self._step_kind: str | None = None
         self._mixed_streak = 0    # steps in a row with interactive and batch work
         self.step_cost = StepCostModel()
@@ -176,7 +172,7 @@ class Scheduler:
         f = self.interactive_slowdown
         if not self.batch_every_steps_on():
             return 1
-        alone, mixed = self._interactive_alone_s, self._interactive_mixed_s
+        alone, mixed = (self._interactive_step_s.get(k) for k in ("alone", "mixed"))
         if alone is None or mixed is None:
             return 1   # until both are measured (probes measure the time alone)
         k = math.ceil(max(0.0, mixed / alone - 1) / (f - 1) - 1e-9)
@@ -199,9 +195,8 @@ class Scheduler:
         kind, self._step_kind = self._step_kind, None
         if kind is None or step_s <= 0:
             return
-        attr = "_interactive_alone_s" if kind == "alone" else "_interactive_mixed_s"
-        last = getattr(self, attr)
-        setattr(self, attr, step_s if last is None else 0.9 * last + 0.1 * step_s)
+        last = self._interactive_step_s.get(kind)
+        self._interactive_step_s[kind] = step_s if last is None else 0.9 * last + 0.1 * step_s
 
     def schedule(self) -> SchedulerOutput:
         interactive = self.has_interactive()
