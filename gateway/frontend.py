@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 from gateway.tenants import Tenant
 from gateway.textstream import TextStream
 from gateway.validation import ValidRequest
-from llmmesh import queue, telemetry, vocab
+from llmmesh import queue, streamauth, telemetry, vocab
 from llmmesh.admission import ALREADY_USED, QUEUE_FULL, REFUSALS, Admission, Reservation
 from llmmesh.admission import keys as admission_keys
 from llmmesh.errors import (AlreadyExists, DeadlineExceeded, InvalidArgument, MeshError,
@@ -174,7 +174,7 @@ class Frontend:
                     yield Admitted(entry.request_id, request_class)
                 claim = queue.claim_key(tenant.tenant_id, req.request_id)
                 async for out in self._relay(req, entry.request_id, request_class, deadline_unix_ns,
-                                             claim):
+                                             claim, entry.stream_key):
                     if isinstance(out, FinalOut):
                         ended = True
                         span.set_attributes({
@@ -254,11 +254,15 @@ class Frontend:
             cache_salt=salt,
             block_hashes=block_hashes(req.prompt_token_ids, self.config.block_size, salt),
             deadline_unix_ns=deadline_unix_ns, enqueued_unix_ns=time.time_ns(),
-            traceparent=telemetry.inject_traceparent(), operation=req.operation)
+            traceparent=telemetry.inject_traceparent(), operation=req.operation,
+            stream_key=streamauth.new_stream_key())
 
     async def _relay(self, req: ValidRequest, request_id: str, request_class: str,
-                     deadline_unix_ns: int, claim: str) -> AsyncIterator[TokensOut | FinalOut]:
+                     deadline_unix_ns: int, claim: str, stream_key: str
+                     ) -> AsyncIterator[TokensOut | FinalOut]:
         detok = TextStream(req.model.tokenizer, req.sampling.get("stop"))
+        # Only what the request's current attempt and its router signed reaches the client.
+        check = streamauth.StreamCheck(stream_key, request_id)
         stream, last_id, finished, next_index = queue.result_stream(request_id), "0-0", False, 0
         task = asyncio.current_task()
         outage_since = None
@@ -286,7 +290,11 @@ class Frontend:
                 for _, entries in reply or ():
                     for entry_id, fields in entries:
                         last_id = entry_id
-                        event = queue.decode_event(fields)
+                        event = check.accept(fields)
+                        if event is None:
+                            if self.metrics is not None:
+                                self.metrics.stream_event_refused()
+                            continue
                         if event["kind"] == "tokens":
                             if not event["ids"]:
                                 continue   # a worker's empty last chunk (an end marker only)

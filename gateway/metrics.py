@@ -22,6 +22,11 @@ class GatewayMetrics:
         self.admissions = Counter("llmmesh_admissions", "Admission decisions by outcome "
                                   "(admitted, or the limit that refused)",
                                   ("tenant", "class", "outcome"), registry=registry)
+        self.stream_events_refused = Counter(
+            "llmmesh_result_events_refused", "Result-stream events not relayed to a client: not "
+            "signed by the request's current attempt or its router, or out of order "
+            "(llmmesh.streamauth); nonzero means a stranger or a replaced worker wrote",
+            registry=registry)
 
     def watch_tenants(self, book) -> None:
         """Export each tenant's token budget as the average rate it allows, so a burn-rate
@@ -38,6 +43,9 @@ class GatewayMetrics:
             rate = t.plan.token_budget / period_s if t.plan.token_budget and period_s else 0.0
             g.add_metric([t.tenant_id, t.plan.budget_period], rate)
         return [g]
+
+    def stream_event_refused(self) -> None:
+        self.stream_events_refused.inc()
 
     def admission(self, tenant: str, request_class: str, code: int) -> None:
         self.admissions.labels(tenant, request_class, ADMISSION_OUTCOMES.get(code, "other")).inc()

@@ -13,6 +13,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from llmmesh import streamauth
 from llmmesh.vocab import CLASSES
 
 PREFIX = "llmmesh"
@@ -87,6 +88,9 @@ class QueueEntry:
     job_index: int = -1
     # gen_ai.operation.name: "chat" (messages) or "text_completion" (a raw prompt).
     operation: str = "text_completion"
+    # The request's result-stream secret (llmmesh.streamauth): drawn by the gateway, read by
+    # routers, never given to a worker.
+    stream_key: str = ""
 
     def encode(self) -> dict[str, str]:
         # A shallow dict: the values are plain JSON already (dataclasses.asdict deep-copies
@@ -123,16 +127,20 @@ async def dead_letter(redis, record: dict[str, str]) -> None:
 
 
 def tokens_event(index: int, token_ids: list[int], logprobs: list[float] | None = None,
-                 end: dict[str, Any] | None = None) -> dict[str, str]:
+                 end: dict[str, Any] | None = None, attempt: int | None = None,
+                 key: bytes | None = None) -> dict[str, str]:
     """A chunk of tokens starting at completion index `index`. `end` marks a worker's last chunk
     (it may hold no tokens): {"finish_reason", "usage"} of the attempt, so a router that takes the
-    request over knows it ended even if the worker's final message never reached a router."""
+    request over knows it ended even if the worker's final message never reached a router.
+    `attempt` and `key`: the attempt that writes it and its key (llmmesh.streamauth), which signs it."""
     body: dict[str, Any] = {"kind": "tokens", "index": index, "ids": token_ids}
     if logprobs:
         body["logprobs"] = logprobs
     if end:
         body["end"] = end
-    return {"d": json.dumps(body, separators=(",", ":"))}
+    if attempt is not None:
+        body["a"] = attempt
+    return streamauth.signed(json.dumps(body, separators=(",", ":")), key)
 
 
 class IndexTaken(Exception):
@@ -152,10 +160,11 @@ def token_entry_id(index: int) -> str:
 
 
 async def append_tokens(redis, stream: str, index: int, token_ids: list[int],
-                        logprobs: list[float] | None = None, end: dict[str, Any] | None = None) -> None:
+                        logprobs: list[float] | None = None, end: dict[str, Any] | None = None,
+                        attempt: int | None = None, key: bytes | None = None) -> None:
     """XADD one token event at its index's entry id; IndexTaken when that id is used up."""
     try:
-        await redis.xadd(stream, tokens_event(index, token_ids, logprobs, end),
+        await redis.xadd(stream, tokens_event(index, token_ids, logprobs, end, attempt, key),
                          id=token_entry_id(index))
     except ResponseError as exc:
         if "equal or smaller" not in str(exc):
@@ -163,12 +172,14 @@ async def append_tokens(redis, stream: str, index: int, token_ids: list[int],
         raise IndexTaken(f"{stream}: completion index {index} was already delivered") from exc
 
 
-def final_event(finish_reason: str, usage: dict[str, Any]) -> dict[str, str]:
-    return {"d": json.dumps({"kind": "final", "finish_reason": finish_reason, "usage": usage})}
+def final_event(finish_reason: str, usage: dict[str, Any], key: bytes | None = None) -> dict[str, str]:
+    """The request's end, written by its router; `key`: the router's key (llmmesh.streamauth)."""
+    return streamauth.signed(json.dumps({"kind": "final", "finish_reason": finish_reason,
+                                         "usage": usage}), key)
 
 
-def error_event(code: str, message: str) -> dict[str, str]:
-    return {"d": json.dumps({"kind": "error", "code": code, "message": message})}
+def error_event(code: str, message: str, key: bytes | None = None) -> dict[str, str]:
+    return streamauth.signed(json.dumps({"kind": "error", "code": code, "message": message}), key)
 
 
 def decode_event(fields: dict) -> dict[str, Any]:

@@ -255,7 +255,8 @@ class Dispatcher:
                 # The final and its bill in one MULTI/EXEC: a request that ended has a durable
                 # bill, whatever instant this router dies at (llmmesh.billing).
                 async with self.redis.pipeline(transaction=True) as pipe:
-                    pipe.xadd(queue.result_stream(e.request_id), queue.final_event(reason, p.usage()))
+                    pipe.xadd(queue.result_stream(e.request_id),
+                              queue.final_event(reason, p.usage(), p.router_key()))
                     pipe.xadd(billing.BILLING_STREAM, billing_fields(p, reason, device, span))
                     await pipe.execute()
                 record_usage(span, p, reason, device)
@@ -265,7 +266,7 @@ class Dispatcher:
                 span.set_status(trace.StatusCode.ERROR, exc.message)
                 span.set_attribute(vocab.ERROR_TYPE, exc.code)
                 await self.redis.xadd(queue.result_stream(e.request_id),
-                                      queue.error_event(exc.code, exc.message))
+                                      queue.error_event(exc.code, exc.message, p.router_key()))
                 # Workers append to the stream themselves: after the error event nothing more
                 # can be, so what it holds now is exactly what the client got.
                 await sync_delivered(p, self.redis)
@@ -373,7 +374,7 @@ class Dispatcher:
             pipe.xrange(queue.result_stream(p.entry.request_id))
             pipe.exists(queue.cancel_key(p.entry.request_id))
             events, cancelled = await pipe.execute()
-        delivered, ended, end = read_result_stream(events)
+        delivered, ended, end = read_result_stream(events, p.entry)
         if ended is not None:
             p.delivered = delivered
             return ended, bool(cancelled)
@@ -412,6 +413,8 @@ class Dispatcher:
                                 cls, entry_id, deliveries)
                     self._hold(cls, entry_id, fields)
                     held = self.held.get((cls, entry_id))
+                    if held is not None:
+                        held.progress.delivery = max(1, deliveries)
                     if held is not None and deliveries > queue.MAX_DELIVERIES:
                         held.progress.give_up = (f"request delivered to {deliveries} routers "
                                                  "without ending")

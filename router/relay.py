@@ -17,7 +17,7 @@ import grpc
 import redis.asyncio as aioredis
 from opentelemetry import trace
 
-from llmmesh import billing, queue, telemetry, vocab
+from llmmesh import billing, queue, streamauth, telemetry, vocab
 from llmmesh.v1 import common_pb2, worker_pb2
 from llmmesh.vocab import FinishReason, RequestClass
 from router.registry import WorkerHandle
@@ -48,6 +48,9 @@ class RequestProgress:
     queue_s: float = 0.0
     prefill_s: float = 0.0   # the first attempt's: the wall time its prefill took
     attempts: int = 0
+    # Which delivery of its queue entry this router holds (1: fresh; XPENDING's count when taken
+    # over): attempt numbers are unique across routers (llmmesh.streamauth.attempt_number).
+    delivery: int = 1
     worker_ids: list[str] = field(default_factory=list)
     cancelled: bool = False
     # Set for an entry delivered more than queue.MAX_DELIVERIES times (routers kept dying with
@@ -65,18 +68,33 @@ class RequestProgress:
                 "queue_s": self.queue_s, "prefill_s": self.prefill_s}
 
 
-def read_result_stream(events) -> tuple[list[int], dict | None, dict | None]:
-    """The tokens a result stream holds, in index order; its final or error event if any; and
-    the end marker of a worker's last chunk if any (queue.tokens_event)."""
+    def attempt(self) -> int:
+        """The number of the attempt about to run (or running)."""
+        return streamauth.attempt_number(self.delivery, self.attempts)
+
+    def attempt_key(self) -> bytes | None:
+        return streamauth.attempt_key(self.entry.stream_key, self.attempt()) \
+            if self.entry.stream_key else None
+
+    def router_key(self) -> bytes | None:
+        return streamauth.router_key(self.entry.stream_key) if self.entry.stream_key else None
+
+
+def read_result_stream(events, entry: queue.QueueEntry) -> tuple[list[int], dict | None, dict | None]:
+    """The tokens a result stream holds, in index order, as its client sees them (only events
+    their writers may write: llmmesh.streamauth); its final or error event if any; and the end
+    marker of a worker's last chunk if any (queue.tokens_event)."""
+    check = streamauth.StreamCheck(entry.stream_key, entry.request_id)
     delivered: list[int] = []
     end = None
     for _, fields in events:
-        event = queue.decode_event(fields)
+        event = check.accept(fields)
+        if event is None:
+            continue
         if event["kind"] in ("final", "error"):
             return delivered, event, end
-        if event["index"] == len(delivered):
-            delivered.extend(event["ids"])
-            end = event.get("end")
+        delivered.extend(event["ids"])
+        end = event.get("end")
     return delivered, None, end
 
 
@@ -102,7 +120,8 @@ def apply_stream_state(p: RequestProgress, delivered: list[int], end: dict | Non
 
 async def sync_delivered(p: RequestProgress, redis: aioredis.Redis) -> None:
     """After an attempt broke off: what its worker appended to the result stream itself."""
-    delivered, _, end = read_result_stream(await redis.xrange(queue.result_stream(p.entry.request_id)))
+    delivered, _, end = read_result_stream(await redis.xrange(queue.result_stream(p.entry.request_id)),
+                                           p.entry)
     apply_stream_state(p, delivered, end)
 
 
@@ -119,7 +138,8 @@ def worker_request(p: RequestProgress) -> worker_pb2.WorkerGenerateRequest:
         request_class=RequestClass(e.request_class).proto, cache_salt=e.cache_salt,
         deadline_unix_ns=e.deadline_unix_ns, start_index=len(p.delivered),
         num_original_prompt_tokens=len(e.prompt_token_ids),
-        result_stream=queue.result_stream(e.request_id), operation=e.operation)
+        result_stream=queue.result_stream(e.request_id), operation=e.operation,
+        attempt=p.attempt(), attempt_key=p.attempt_key() or b"")
 
 
 def queue_wait_s(entry: queue.QueueEntry, sent_unix_ns: int) -> float:
@@ -145,13 +165,14 @@ async def run_attempt(p: RequestProgress, worker: WorkerHandle, redis: aioredis.
     sent_unix_ns = time.time_ns()
     call = worker.stub.Generate(worker_request(p), timeout=_timeout_s(p.entry), metadata=metadata)
     stream = queue.result_stream(p.entry.request_id)
+    attempt, key = p.attempt(), p.attempt_key()
     first = p.attempts == 0
     try:
         async for msg in call:
             if msg.HasField("tokens"):
                 ids = list(msg.tokens.token_ids)
                 await queue.append_tokens(redis, stream, len(p.delivered), ids,
-                                          list(msg.tokens.logprobs))
+                                          list(msg.tokens.logprobs), attempt=attempt, key=key)
                 p.delivered.extend(ids)
             else:
                 p.delivered.extend(msg.final.token_ids)

@@ -107,13 +107,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # Tokens go straight to the request's result stream when it names one (one hop less
         # per token than relaying them through the router).
         stream = request.result_stream if self.results is not None else ""
+        # Every chunk names this attempt and is signed with its key, so the gateway relays it
+        # only while this attempt is the current one (llmmesh.streamauth).
+        signer = (request.attempt, request.attempt_key) if request.attempt_key else (None, None)
         # A retry continues after the tokens earlier attempts delivered (the prompt's last
         # start_index tokens): stop strings see them too, and one that already matched (its
         # attempt broke off before its end marker) ends the request here.
         if index > 0 and matcher.push(list(request.prompt_token_ids[-index:])):
             usage = RequestUsage(len(request.prompt_token_ids), 0, 0, 0.0, 0.0, 0.0)
             if stream:
-                await self._append(stream, index, [], [], end=_end_marker(FinishReason.STOP, usage))
+                await self._append(stream, index, [], [], signer,
+                                   end=_end_marker(FinishReason.STOP, usage))
             yield self._final(FinishReason.STOP, usage, span)
             return
         request_class = RequestClass.from_proto(request.request_class)
@@ -148,7 +152,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                         # The last chunk (tokens or not) carries the end marker, so a router
                         # that takes the request over does not run it on (see tokens_event).
                         end = _end_marker(reason, out.usage) if reason else None
-                        await self._append(stream, index, ids, logprobs, end=end)
+                        await self._append(stream, index, ids, logprobs, signer, end=end)
                         written += ids
                     elif ids:
                         yield worker_pb2.WorkerGenerateResponse(tokens=worker_pb2.WorkerTokens(
@@ -164,9 +168,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             await outputs.aclose()
 
     async def _append(self, stream: str, index: int, ids: list[int], logprobs: list[float],
-                      end: dict | None = None) -> None:
+                      signer: tuple[int | None, bytes | None], end: dict | None = None) -> None:
         try:
-            await queue.append_tokens(self.results, stream, index, ids, logprobs, end)
+            await queue.append_tokens(self.results, stream, index, ids, logprobs, end, *signer)
         except queue.IndexTaken as exc:
             # Another attempt owns this request now: stop (the engine aborts it on close).
             raise Aborted(f"worker {self.worker_id}: {exc}") from exc

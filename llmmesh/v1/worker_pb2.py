@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from llmmesh.v1 import common_pb2 as llmmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17llmmesh/v1/worker.proto\x12\nllmmesh.v1\x1a\x17llmmesh/v1/common.proto\"\xd7\x02\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttenant_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.llmmesh.v1.SamplingParams\x12/\n\rrequest_class\x18\x06 \x01(\x0e\x32\x18.llmmesh.v1.RequestClass\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x08 \x01(\x03\x12\x13\n\x0bstart_index\x18\t \x01(\x05\x12\"\n\x1anum_original_prompt_tokens\x18\n \x01(\x05\x12\x15\n\rresult_stream\x18\x0b \x01(\t\x12\x11\n\toperation\x18\x0c \x01(\t\"B\n\x0cWorkerTokens\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\"s\n\x0bWorkerFinal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.llmmesh.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.llmmesh.v1.Usage\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"v\n\x16WorkerGenerateResponse\x12*\n\x06tokens\x18\x01 \x01(\x0b\x32\x18.llmmesh.v1.WorkerTokensH\x00\x12(\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x17.llmmesh.v1.WorkerFinalH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xa0\x03\n\x0fGetLoadResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x0e\n\x06models\x18\x06 \x03(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x07 \x01(\t\x12\x14\n\x0cquantization\x18\x08 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\t \x01(\x05\x12\x1a\n\x12num_requests_total\x18\n \x01(\x03\x12&\n\x1enum_cached_prompt_tokens_total\x18\x0b \x01(\x03\x12\x1f\n\x17num_prompt_tokens_total\x18\x0c \x01(\x03\x12,\n\x0cmodel_states\x18\r \x03(\x0b\x32\x16.llmmesh.v1.ModelState\x12\x1b\n\x13memory_budget_bytes\x18\x0e \x01(\x03\x12\x19\n\x11memory_used_bytes\x18\x0f \x01(\x03\"\xe6\x01\n\nModelState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x14\n\x0cquantization\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x06 \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x07 \x01(\x03\x12\x14\n\x0cload_seconds\x18\x08 \x01(\x01\x12\x0e\n\x06pinned\x18\t \x01(\x08\x12\x14\n\x0cidle_seconds\x18\n \x01(\x01\x12\x11\n\tevictable\x18\x0b \x01(\x08\x32\xe6\x01\n\rWorkerService\x12S\n\x08Generate\x12!.llmmesh.v1.WorkerGenerateRequest\x1a\".llmmesh.v1.WorkerGenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.llmmesh.v1.AbortRequest\x1a\x19.llmmesh.v1.AbortResponse\x12\x42\n\x07GetLoad\x12\x1a.llmmesh.v1.GetLoadRequest\x1a\x1b.llmmesh.v1.GetLoadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17llmmesh/v1/worker.proto\x12\nllmmesh.v1\x1a\x17llmmesh/v1/common.proto\"\xfd\x02\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttenant_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.llmmesh.v1.SamplingParams\x12/\n\rrequest_class\x18\x06 \x01(\x0e\x32\x18.llmmesh.v1.RequestClass\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x18\n\x10\x64\x65\x61\x64line_unix_ns\x18\x08 \x01(\x03\x12\x13\n\x0bstart_index\x18\t \x01(\x05\x12\"\n\x1anum_original_prompt_tokens\x18\n \x01(\x05\x12\x15\n\rresult_stream\x18\x0b \x01(\t\x12\x11\n\toperation\x18\x0c \x01(\t\x12\x0f\n\x07\x61ttempt\x18\r \x01(\r\x12\x13\n\x0b\x61ttempt_key\x18\x0e \x01(\x0c\"B\n\x0cWorkerTokens\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\"s\n\x0bWorkerFinal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.llmmesh.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.llmmesh.v1.Usage\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\"v\n\x16WorkerGenerateResponse\x12*\n\x06tokens\x18\x01 \x01(\x0b\x32\x18.llmmesh.v1.WorkerTokensH\x00\x12(\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x17.llmmesh.v1.WorkerFinalH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xa0\x03\n\x0fGetLoadResponse\x12\x13\n\x0bnum_running\x18\x01 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x0e\n\x06models\x18\x06 \x03(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x07 \x01(\t\x12\x14\n\x0cquantization\x18\x08 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\t \x01(\x05\x12\x1a\n\x12num_requests_total\x18\n \x01(\x03\x12&\n\x1enum_cached_prompt_tokens_total\x18\x0b \x01(\x03\x12\x1f\n\x17num_prompt_tokens_total\x18\x0c \x01(\x03\x12,\n\x0cmodel_states\x18\r \x03(\x0b\x32\x16.llmmesh.v1.ModelState\x12\x1b\n\x13memory_budget_bytes\x18\x0e \x01(\x03\x12\x19\n\x11memory_used_bytes\x18\x0f \x01(\x03\"\xe6\x01\n\nModelState\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x14\n\x0cquantization\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x16\n\x0e\x63ontext_length\x18\x06 \x01(\x05\x12\x14\n\x0cmemory_bytes\x18\x07 \x01(\x03\x12\x14\n\x0cload_seconds\x18\x08 \x01(\x01\x12\x0e\n\x06pinned\x18\t \x01(\x08\x12\x14\n\x0cidle_seconds\x18\n \x01(\x01\x12\x11\n\tevictable\x18\x0b \x01(\x08\x32\xe6\x01\n\rWorkerService\x12S\n\x08Generate\x12!.llmmesh.v1.WorkerGenerateRequest\x1a\".llmmesh.v1.WorkerGenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.llmmesh.v1.AbortRequest\x1a\x19.llmmesh.v1.AbortResponse\x12\x42\n\x07GetLoad\x12\x1a.llmmesh.v1.GetLoadRequest\x1a\x1b.llmmesh.v1.GetLoadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'llmmesh.v1.worker_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERGENERATEREQUEST']._serialized_start=65
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=408
-  _globals['_WORKERTOKENS']._serialized_start=410
-  _globals['_WORKERTOKENS']._serialized_end=476
-  _globals['_WORKERFINAL']._serialized_start=478
-  _globals['_WORKERFINAL']._serialized_end=593
-  _globals['_WORKERGENERATERESPONSE']._serialized_start=595
-  _globals['_WORKERGENERATERESPONSE']._serialized_end=713
-  _globals['_ABORTREQUEST']._serialized_start=715
-  _globals['_ABORTREQUEST']._serialized_end=749
-  _globals['_ABORTRESPONSE']._serialized_start=751
-  _globals['_ABORTRESPONSE']._serialized_end=783
-  _globals['_GETLOADREQUEST']._serialized_start=785
-  _globals['_GETLOADREQUEST']._serialized_end=801
-  _globals['_GETLOADRESPONSE']._serialized_start=804
-  _globals['_GETLOADRESPONSE']._serialized_end=1220
-  _globals['_MODELSTATE']._serialized_start=1223
-  _globals['_MODELSTATE']._serialized_end=1453
-  _globals['_WORKERSERVICE']._serialized_start=1456
-  _globals['_WORKERSERVICE']._serialized_end=1686
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=446
+  _globals['_WORKERTOKENS']._serialized_start=448
+  _globals['_WORKERTOKENS']._serialized_end=514
+  _globals['_WORKERFINAL']._serialized_start=516
+  _globals['_WORKERFINAL']._serialized_end=631
+  _globals['_WORKERGENERATERESPONSE']._serialized_start=633
+  _globals['_WORKERGENERATERESPONSE']._serialized_end=751
+  _globals['_ABORTREQUEST']._serialized_start=753
+  _globals['_ABORTREQUEST']._serialized_end=787
+  _globals['_ABORTRESPONSE']._serialized_start=789
+  _globals['_ABORTRESPONSE']._serialized_end=821
+  _globals['_GETLOADREQUEST']._serialized_start=823
+  _globals['_GETLOADREQUEST']._serialized_end=839
+  _globals['_GETLOADRESPONSE']._serialized_start=842
+  _globals['_GETLOADRESPONSE']._serialized_end=1258
+  _globals['_MODELSTATE']._serialized_start=1261
+  _globals['_MODELSTATE']._serialized_end=1491
+  _globals['_WORKERSERVICE']._serialized_start=1494
+  _globals['_WORKERSERVICE']._serialized_end=1724
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "tenant_id", "model", "prompt_token_ids", "sampling", "request_class", "cache_salt", "deadline_unix_ns", "start_index", "num_original_prompt_tokens", "result_stream", "operation")
+    __slots__ = ("request_id", "tenant_id", "model", "prompt_token_ids", "sampling", "request_class", "cache_salt", "deadline_unix_ns", "start_index", "num_original_prompt_tokens", "result_stream", "operation", "attempt", "attempt_key")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,8 @@ class WorkerGenerateRequest(_message.Message):
     NUM_ORIGINAL_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESULT_STREAM_FIELD_NUMBER: _ClassVar[int]
     OPERATION_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant_id: str
     model: str
@@ -33,7 +35,9 @@ class WorkerGenerateRequest(_message.Message):
     num_original_prompt_tokens: int
     result_stream: str
     operation: str
-    def __init__(self, request_id: _Optional[str] = ..., tenant_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_class: _Optional[_Union[_common_pb2.RequestClass, str]] = ..., cache_salt: _Optional[str] = ..., deadline_unix_ns: _Optional[int] = ..., start_index: _Optional[int] = ..., num_original_prompt_tokens: _Optional[int] = ..., result_stream: _Optional[str] = ..., operation: _Optional[str] = ...) -> None: ...
+    attempt: int
+    attempt_key: bytes
+    def __init__(self, request_id: _Optional[str] = ..., tenant_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_class: _Optional[_Union[_common_pb2.RequestClass, str]] = ..., cache_salt: _Optional[str] = ..., deadline_unix_ns: _Optional[int] = ..., start_index: _Optional[int] = ..., num_original_prompt_tokens: _Optional[int] = ..., result_stream: _Optional[str] = ..., operation: _Optional[str] = ..., attempt: _Optional[int] = ..., attempt_key: _Optional[bytes] = ...) -> None: ...
 
 class WorkerTokens(_message.Message):
     __slots__ = ("index", "token_ids", "logprobs")

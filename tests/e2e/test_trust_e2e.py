@@ -281,3 +281,63 @@ def test_canary_key_and_prompt_appear_nowhere_after_the_requests_end(mesh, gatew
     found.remove("redis b'test:canary-control'")
     print(f"\n  canary and API key found in: {found or 'nothing'}")
     assert found == []
+
+
+def _refused_events(mesh) -> float:
+    import urllib.request
+    body = urllib.request.urlopen(f"http://{mesh.procs['gateway'].metrics_address}/metrics",
+                                  timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in body.splitlines()
+               if line.startswith("llmmesh_result_events_refused_total"))
+
+
+def test_a_writer_that_is_not_the_current_attempt_gets_no_token_to_the_client(mesh, gateway):
+    """Stream injection: someone holding Redis's password (a stranger, or a worker this request
+    was never given to) writes the next chunk of a live request's result stream before its
+    worker does, then a final: no forged token and no forged end reaches the client, the
+    gateway counts both refusals, and the bill holds exactly the tokens the client got."""
+    import json
+
+    import redis as redis_client
+    from redis.exceptions import ResponseError
+
+    from tests.e2e.meshkit import StreamRecorder
+    r = redis_client.Redis.from_url(mesh.redis_url, decode_responses=True)
+    before = _refused_events(mesh)
+    client_id = f"inject-{uuid.uuid4().hex[:8]}"
+    req = chat("Write a long story about a lighthouse keeper and the sea.", 200)
+    req.request_id = client_id
+    recorder = StreamRecorder(gateway, req, DEMO_KEYS["acme"])
+
+    def live_stream():
+        for k in r.scan_iter(match=f"llmmesh:res:{{acme/{client_id}/*", count=1000):
+            if r.xlen(k):
+                return k
+    stream = wait_until(live_stream, 60, interval_s=0.01, what="the request's result stream")
+    forged = [4242, 4243, 4244, 4245]
+    for _ in range(50):   # the worker may take the index first: aim at the next one again
+        last = queue.decode_event(r.xrevrange(stream, count=1)[0][1])
+        assert last["kind"] == "tokens", "the request ended before the injection; make it longer"
+        index = last["index"] + len(last["ids"])
+        body = json.dumps({"kind": "tokens", "index": index, "ids": forged, "a": 10**6})
+        try:
+            r.xadd(stream, {"d": body, "m": "0" * 32}, id=queue.token_entry_id(index))
+            break
+        except ResponseError:
+            continue
+    else:
+        pytest.fail("could not write ahead of the worker")
+    r.xadd(stream, queue.final_event("stop", {"completion_tokens": 1, "prompt_tokens": 1}))
+    recorder.thread.join(120)
+    got = recorder.token_ids
+    print(f"\n  injected at index {index}; client got {len(got)} tokens, "
+          f"{'error ' + recorder.error.code().name if recorder.error else 'a final'}")
+    assert all(got[i:i + 4] != forged for i in range(len(got)))
+    assert len(got) == index                 # everything up to the forged chunk, nothing after it
+    if recorder.final is not None:           # the forged final is not what ended it
+        assert recorder.final.usage.completion_tokens == len(got)
+    else:                                    # the worker could not write past the forgeries
+        assert recorder.error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
+    assert _refused_events(mesh) - before >= 2
+    rows = wait_until(lambda: _ledger_rows(mesh, client_id) or None, 20, what="its bill")
+    assert [row[2] for row in rows] == [len(got)]

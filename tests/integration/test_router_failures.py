@@ -111,6 +111,11 @@ def test_expired_deadline_never_reaches_a_worker(mesh, failing):
     assert codes == ["DEADLINE_EXCEEDED"]
 
 
+def _signer(request) -> dict:
+    """How a real worker signs what it appends: its attempt's number and key (llmmesh.streamauth)."""
+    return {"attempt": request.attempt, "key": request.attempt_key}
+
+
 class HandoffWorker(FailingWorker):
     """The first call anywhere appends 3 tokens to the request's result stream itself (as real
     workers do) and then dies; later calls send their tokens in the gRPC stream (as a direct
@@ -127,7 +132,7 @@ class HandoffWorker(FailingWorker):
         if len(HandoffWorker.shared["calls"]) == 1:
             r = redis.Redis.from_url(self.redis_url)
             for i, token in enumerate([11, 12, 13]):
-                r.xadd(request.result_stream, queue.tokens_event(i, [token]),
+                r.xadd(request.result_stream, queue.tokens_event(i, [token], **_signer(request)),
                        id=queue.token_entry_id(i))
             context.abort(grpc.StatusCode.UNAVAILABLE, "died after 3 tokens")
         yield worker_pb2.WorkerGenerateResponse(tokens=worker_pb2.WorkerTokens(
@@ -292,10 +297,12 @@ class EndingWorker(FailingWorker):
     def Generate(self, request, context):
         self.calls += 1
         r = redis.Redis.from_url(self.redis_url)
-        r.xadd(request.result_stream, queue.tokens_event(0, [11, 12]), id=queue.token_entry_id(0))
+        r.xadd(request.result_stream, queue.tokens_event(0, [11, 12], **_signer(request)),
+               id=queue.token_entry_id(0))
         end = {"finish_reason": "stop", "usage": {"cached_prompt_tokens": 0, "queue_s": 0.0,
                                                   "prefill_device_s": 0.25, "decode_device_s": 0.5}}
-        r.xadd(request.result_stream, queue.tokens_event(2, [13], end=end), id=queue.token_entry_id(2))
+        r.xadd(request.result_stream, queue.tokens_event(2, [13], end=end, **_signer(request)),
+               id=queue.token_entry_id(2))
         context.abort(self.code, "died before its final")
 
 
