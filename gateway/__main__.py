@@ -16,7 +16,7 @@ from gateway.openai_http import HttpServer, OpenAIFront
 from gateway.servicer import GatewayServicer
 from gateway.tenants import TenantBook, TenantsFileError
 from gateway.models import ModelBook
-from llmmesh import metrics, server, telemetry
+from llmmesh import metrics, redis_acl, server, telemetry
 from llmmesh.identity import Role
 from llmmesh.mtls import MeshIdentity
 from llmmesh.supervisor import Supervisor, redis_check
@@ -80,7 +80,8 @@ async def main() -> None:
     # socket_timeout well above the relay's 500 ms XREAD block: a hung Redis cannot hang a call.
     # Every open call blocks on its own result stream (XREAD) with a pooled connection, so the
     # pool holds --max-streams of them plus room for admission, batch jobs and health.
-    redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True, socket_timeout=5.0,
+    redis = aioredis.Redis.from_url(redis_acl.service_url(args.redis_url, "gateway"),
+                                    decode_responses=True, socket_timeout=5.0,
                                     socket_connect_timeout=2.0, health_check_interval=10,
                                     max_connections=args.max_streams + 256)
     registry = CollectorRegistry()

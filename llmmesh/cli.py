@@ -157,9 +157,16 @@ def certs(directory: str = typer.Argument("var/tls", help="where the CA and cert
     """Create the mesh's private CA and one certificate per role (files 0600): for compose, a
     Kubernetes Secret per role, or `make up` (which does this itself on first run)."""
     from llmmesh import certs as mesh_certs
+    from llmmesh import redis_acl
     issued = mesh_certs.ensure(directory, rotate=rotate, extra_dns=dns)
+    # Redis's ACL users too (one per role): the passwords 0600 beside the keys, the ACL file
+    # (digests only) readable by a Redis that runs as another user, hence a traversable directory.
+    acl = redis_acl.ensure(directory)
+    os.chmod(directory, 0o711)
     typer.echo(f"{directory}: issued {', '.join(r.value for r in issued) or 'nothing (all present)'}; "
-               f"services read it through LLMMESH_TLS_DIR={directory}")
+               f"services read it through LLMMESH_TLS_DIR={directory}; Redis users in {acl} "
+               f"(redis-server --aclfile), services find their password through "
+               f"{redis_acl.CREDENTIALS_ENV}={directory}")
 
 
 @app.command("hash-key")

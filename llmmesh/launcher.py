@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmmesh import certs
+from llmmesh import certs, redis_acl
 from llmmesh.apikeys import DEMO_ADMIN_KEY, write_admin_key
 from llmmesh.identity import Role
 from llmmesh.mtls import TLS_DIR_ENV, MeshIdentity
@@ -35,19 +35,6 @@ def find_redis_server() -> str:
         raise FileNotFoundError("redis-server not found; install it with: "
                                 "sudo apt-get update && sudo apt-get install -y redis-server")
     return path
-
-
-def _redis_password(conf: str) -> str:
-    """The password already in `conf` (a restart keeps it, so running clients reconnect), else new."""
-    import secrets
-    try:
-        with open(conf) as f:
-            for line in f:
-                if line.startswith("requirepass "):
-                    return line.split(None, 1)[1].strip()
-    except FileNotFoundError:
-        pass
-    return secrets.token_urlsafe(24)
 
 
 def redacted(url: str | None) -> str:
@@ -89,6 +76,8 @@ class Mesh:
     log_dir: str = ""
     # The mesh's CA and role certificates; default LLMMESH_TLS_DIR, else <var_dir>/tls (made here).
     tls_dir: str = ""
+    # Where the private Redis's per-role passwords live (start_redis); "" for a given REDIS_URL.
+    redis_credentials: str = ""
 
     def __post_init__(self):
         os.makedirs(self.var_dir, exist_ok=True)
@@ -130,15 +119,27 @@ class Mesh:
         command line) and keeps an append-only file (fsync every second)."""
         port = port or free_port()
         conf = os.path.join(self.var_dir, "redis.conf")
-        password = _redis_password(conf)
+        # One ACL user per service role (llmmesh.redis_acl); passwords kept across restarts,
+        # so running clients reconnect.
+        self.redis_credentials = os.path.join(self.var_dir, "redis-users")
+        acl = redis_acl.ensure(self.redis_credentials)
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(f"port {port}\nbind 127.0.0.1\nprotected-mode yes\nrequirepass {password}\n"
+            f.write(f"port {port}\nbind 127.0.0.1\nprotected-mode yes\naclfile {acl}\n"
                     f'save ""\nappendonly yes\nappendfsync everysec\ndir {self.var_dir}\n')
         self.procs["redis"] = Proc("redis", self._spawn("redis", [find_redis_server(), conf]),
                                    f"127.0.0.1:{port}")
-        self.redis_url = f"redis://:{password}@127.0.0.1:{port}/0"
+        self.redis_url = self.redis_url_for("admin")
         return self.redis_url
+
+    def redis_url_for(self, role: str) -> str | None:
+        """The URL a service of `role` gets: its own ACL user on the private Redis, or the URL
+        the caller gave (their Redis, their users)."""
+        if not self.redis_credentials:
+            return self.redis_url
+        port = self.procs["redis"].address.rsplit(":", 1)[1]
+        password = redis_acl.password_path(self.redis_credentials, role).read_text().strip()
+        return redis_acl.with_user(f"redis://127.0.0.1:{port}/0", role, password)
 
     def start_service(self, name: str, module: str, extra: list[str] | None = None,
                       address: str | None = None, http_listen: str | None = None) -> Proc:
@@ -170,7 +171,8 @@ class Mesh:
         if "--metrics-port" not in extra:
             metrics = f"127.0.0.1:{free_port()}"
             extra += ["--metrics-port", metrics.rsplit(":", 1)[1]]
-        proc = Proc(name, self._spawn(name, argv + extra, {"REDIS_URL": self.redis_url or ""}),
+        role = "worker" if module == "workers" else module
+        proc = Proc(name, self._spawn(name, argv + extra, {"REDIS_URL": self.redis_url_for(role) or ""}),
                     address, http, metrics)
         self.procs[name] = proc
         return proc

@@ -9,7 +9,7 @@ import socket
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
-from llmmesh import metrics, server, telemetry
+from llmmesh import metrics, redis_acl, server, telemetry
 from llmmesh.identity import Role
 from llmmesh.mtls import MeshIdentity
 from llmmesh.supervisor import Supervisor, redis_check
@@ -52,7 +52,8 @@ async def main() -> None:
     tracer = telemetry.setup_tracing("llmmesh-router", args.otlp_endpoint, identity)
     # redis-py's asyncio pool holds 100 connections by default and then refuses: a router
     # relays every in-flight request with its own Redis calls, so give it room.
-    redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True,
+    redis = aioredis.Redis.from_url(redis_acl.service_url(args.redis_url, "router"),
+                                    decode_responses=True,
                                     socket_connect_timeout=2.0, health_check_interval=10,
                                     max_connections=2048)
     registry = WorkerRegistry(redis, identity, breaker_open_s=args.breaker_open_s)

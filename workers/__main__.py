@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 from redis.exceptions import RedisError
 
-from llmmesh import metrics, queue, server, telemetry
+from llmmesh import metrics, queue, redis_acl, server, telemetry
 from llmmesh.identity import Role
 from llmmesh.mtls import MeshIdentity
 from llmmesh.supervisor import Supervisor, redis_check
@@ -153,7 +153,8 @@ async def main() -> None:
     capacity = asyncio.create_task(report_capacity(tracer, args.worker_id, device_type,
                                                    loading=host.take_loading_seconds))
     # socket_timeout: a hung Redis fails a write in seconds instead of stalling the engine's output.
-    redis = aioredis.Redis.from_url(args.redis_url, decode_responses=True, socket_connect_timeout=2.0,
+    redis = aioredis.Redis.from_url(redis_acl.service_url(args.redis_url, "worker"),
+                                    decode_responses=True, socket_connect_timeout=2.0,
                                     socket_timeout=5.0)
     # The same connection pool writes the result streams of requests the router routes here.
     servicer = WorkerServicer(host, args.worker_id, device_type, tracer, results=redis)

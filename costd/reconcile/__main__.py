@@ -20,11 +20,12 @@ from costd.ledger import LedgerConfig, UsageLedger
 from costd.ledger.config import SQLITE
 from costd.pipeline import PipelineError
 from costd.reconcile.reconciler import DEFAULT_GRACE_S, Reconciler, Report
+from llmmesh import redis_acl
 
 
 async def reconcile(redis_url: str, ledger_config: LedgerConfig, since_s: float, repair: bool,
                     grace_s: float) -> Report:
-    redis = aioredis.Redis.from_url(redis_url, decode_responses=True, socket_connect_timeout=2.0)
+    redis = aioredis.Redis.from_url(redis_acl.service_url(redis_url, "costd"), decode_responses=True, socket_connect_timeout=2.0)
     ledger = UsageLedger(ledger_config)
     await ledger.start()
     try:

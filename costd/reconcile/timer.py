@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from costd.ledger import UsageLedger
 from costd.reconcile.reconciler import MISMATCH, UNBILLED, UNKNOWN, Reconciler, Report
+from llmmesh import redis_acl
 
 log = logging.getLogger("costd.reconcile")
 # Each run looks back this far: a gap that an outage delayed past one run is still found.
@@ -76,7 +77,7 @@ def start_timer(redis_url: str, interval_s: float, ledger: UsageLedger,
         async def nothing() -> None:
             return None
         return nothing
-    redis = aioredis.Redis.from_url(redis_url, decode_responses=True, socket_connect_timeout=2.0)
+    redis = aioredis.Redis.from_url(redis_acl.service_url(redis_url, "costd"), decode_responses=True, socket_connect_timeout=2.0)
     metrics = ReconcileMetrics(registry) if registry is not None else None
     timer = ReconcileTimer(Reconciler(redis, ledger), interval_s, metrics=metrics)
     task = asyncio.create_task(timer.run(), name="reconcile")

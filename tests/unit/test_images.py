@@ -68,3 +68,24 @@ def test_cpu_and_gpu_images_have_their_own_tags():
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     cpu = services["worker"].get("image") or "llmmesh:cpu"
     assert cpu == "llmmesh:cpu" and services["worker-gpu"]["image"] == "llmmesh:gpu"
+
+
+def test_no_demo_key_goes_into_an_image():
+    """The demo tenants file (public keys) is mounted by compose, never copied into an image:
+    no file the image's `COPY . .` takes holds a demo key or its digest."""
+    import fnmatch
+    import hashlib
+    from llmmesh.apikeys import DEMO_ADMIN_KEY
+    from llmmesh.cli import DEMO_KEYS
+    ignored = [p.rstrip("/") for p in (ROOT / ".dockerignore").read_text().split() if not p.startswith("#")]
+    needles = [k for key in (*DEMO_KEYS.values(), DEMO_ADMIN_KEY)
+               for k in (key, hashlib.sha256(key.encode()).hexdigest())]
+    assert "config/tenants.toml" in ignored
+    copied = [p for p in (ROOT / "config").rglob("*") if p.is_file() and not any(
+        fnmatch.fnmatch(str(p.relative_to(ROOT)), pattern) for pattern in ignored)]
+    assert copied, "config/ holds the models and prices files the image needs"
+    holding = [str(p.relative_to(ROOT)) for p in copied if any(n in p.read_text() for n in needles)]
+    assert holding == []
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    for service in ("gateway", "costd"):
+        assert "./config/tenants.toml:/app/config/tenants.toml:ro" in compose["services"][service]["volumes"]

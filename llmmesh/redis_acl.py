@@ -1,0 +1,86 @@
+"""Redis ACL users, one per service role, each allowed only what its role does.
+
+A worker runs model code and there are many of them: it may append to result streams (write,
+never read: llmmesh.streamauth signs what it writes), keep its lease and cache index, and
+nothing else — it cannot read the queues (whose entries carry each request's stream secret and
+prompt), write a bill into the billing stream, or touch admission's budgets. costd only reads
+(settlements and bills, for the reconciler). The gateway and routers own the queue protocol and
+get every llmmesh key, without the dangerous commands (FLUSHALL, CONFIG, DEBUG, KEYS...). The
+`admin` user (operators, `llmmesh reconcile`, the tests) may do anything. The default user is off:
+there is no password-only login.
+
+`ensure(directory)` writes one password per role (`redis-<role>.password`, 0600) and the ACL file
+Redis loads (`redis-users.acl`, holding only SHA-256 digests of the passwords, so it may be
+world-readable for a Redis container). A service finds its password through
+LLMMESH_REDIS_CREDENTIALS=<directory> when its REDIS_URL names no user (compose, Kubernetes);
+`make up` puts each service's user and password into the REDIS_URL it hands that service by
+environment, never on a command line.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+from collections.abc import Mapping
+from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
+
+from llmmesh.atomic_file import write_atomic
+
+CREDENTIALS_ENV = "LLMMESH_REDIS_CREDENTIALS"
+ACL_FILE = "redis-users.acl"
+
+_CONNECT = "+@connection"   # AUTH, HELLO, CLIENT SETINFO, PING, SELECT...
+_OWNERS = "~llmmesh:* &llmmesh:* +@all -@dangerous"
+RULES: dict[str, str] = {
+    "gateway": _OWNERS,
+    "router": _OWNERS,
+    "worker": (f"%W~llmmesh:res:* ~llmmesh:worker:* ~llmmesh:cache:* -@all {_CONNECT} "
+               "+xadd +set +get +del +expire +sadd +smembers +multi +exec +discard"),
+    "costd": f"%R~llmmesh:* -@all {_CONNECT} +@read +time",
+    "admin": "~* &* +@all",
+}
+ROLES = tuple(RULES)
+
+
+def password_path(directory: str | Path, role: str) -> Path:
+    return Path(directory) / f"redis-{role}.password"
+
+
+def ensure(directory: str | Path, rotate: bool = False) -> Path:
+    """Every role's password (kept when present, new when missing or `rotate`) and the ACL file
+    built from them; returns the ACL file's path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = ["user default off"]
+    for role in ROLES:
+        path = password_path(directory, role)
+        if rotate or not path.exists():
+            write_atomic(str(path), [secrets.token_urlsafe(24).encode() + b"\n"])   # 0600
+        digest = hashlib.sha256(path.read_text().strip().encode()).hexdigest()
+        lines.append(f"user {role} on #{digest} resetkeys resetchannels {RULES[role]}")
+    acl = directory / ACL_FILE
+    write_atomic(str(acl), ["\n".join(lines).encode() + b"\n"])
+    os.chmod(acl, 0o644)   # digests only: Redis (another uid in a container) must read it
+    return acl
+
+
+def with_user(url: str, role: str, password: str) -> str:
+    parts = urlsplit(url)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit(parts._replace(netloc=f"{quote(role)}:{quote(password, safe='')}@{host}"))
+
+
+def service_url(url: str, role: str, environ: Mapping[str, str] = os.environ) -> str:
+    """The Redis URL a service of `role` connects with: `url` as given when it names a user or
+    password, else `url` with the role's user and its password from LLMMESH_REDIS_CREDENTIALS."""
+    directory = environ.get(CREDENTIALS_ENV)
+    if not directory or "@" in urlsplit(url).netloc:
+        return url
+    path = password_path(directory, role)
+    try:
+        password = path.read_text().strip()
+    except OSError as exc:
+        raise SystemExit(f"{CREDENTIALS_ENV}={directory}: cannot read {path.name} ({exc.strerror}); "
+                         "run `llmmesh certs` on that directory") from exc
+    return with_user(url, role, password)
