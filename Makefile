@@ -1,7 +1,7 @@
 # llmmesh: `make up` runs the whole mesh, `make test` runs the tests. Each sets itself up.
 PY := .venv/bin/python
 
-.PHONY: up test test-fast venv protos clean bench bench-smoke bench-engine bench-scheduling bench-overhead bench-models bench-tls chaos
+.PHONY: up test test-fast fuzz venv protos clean bench bench-smoke bench-engine bench-scheduling bench-overhead bench-models bench-tls chaos
 
 venv:
 	@bash scripts/setup.sh
@@ -14,6 +14,13 @@ test: venv
 
 test-fast: venv
 	$(PY) -m pytest -q -ra tests -m "not model and not e2e"
+
+# Atheris over the gateway's decode + validation for 10 minutes (`make test` runs 60 s), then the
+# hypothesis fuzz of the real gateway at the issue's 10,000 requests.
+FUZZ_SECONDS ?= 600
+fuzz: venv
+	LLMMESH_FUZZ_SECONDS=$(FUZZ_SECONDS) $(PY) -m pytest -q -s -ra tests/fuzz
+	LLMMESH_FUZZ_EXAMPLES=10000 $(PY) -m pytest -q -s -ra tests/e2e/test_gateway_fuzz.py
 
 protos: venv
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/llmmesh/v1/*.proto
