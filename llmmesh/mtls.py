@@ -104,8 +104,10 @@ def channel_options(server_role: Role) -> list[tuple[str, str]]:
     return [("grpc.ssl_target_name_override", role_dns_name(server_role))]
 
 
-def aio_channel(address: str, identity: MeshIdentity, server_role: Role) -> grpc.aio.Channel:
-    return grpc.aio.secure_channel(address, channel_credentials(identity), channel_options(server_role))
+def aio_channel(address: str, identity: MeshIdentity, server_role: Role,
+                extra_options: tuple[tuple[str, int], ...] = ()) -> grpc.aio.Channel:
+    return grpc.aio.secure_channel(address, channel_credentials(identity),
+                                   channel_options(server_role) + list(extra_options))
 
 
 def channel(address: str, identity: MeshIdentity, server_role: Role) -> grpc.Channel:

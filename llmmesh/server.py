@@ -134,10 +134,15 @@ class ServiceSpec:
             raise ValueError("a service is either internal (identity) or public, not both or neither")
 
 
-# Internal hops carry whole prompts and token lists between trusted services.
+# Internal hops carry whole prompts and token lists between trusted services, and their
+# callers (mutual TLS, named roles) may ping as often as every second: a router finds a stopped
+# worker under its calls by keepalive (router.registry.WORKER_KEEPALIVE), which gRPC's default
+# (pings at most every 5 min without data, 2 strikes, then GOAWAY) would punish.
 INTERNAL_OPTIONS = (("grpc.max_receive_message_length", 64 * 1024 * 1024),
                     ("grpc.max_send_message_length", 64 * 1024 * 1024),
-                    ("grpc.so_reuseport", 0))
+                    ("grpc.so_reuseport", 0),
+                    ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
+                    ("grpc.http2.max_ping_strikes", 0))
 
 
 def public_options(*, max_message_bytes: int, max_streams_per_connection: int,

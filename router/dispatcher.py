@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import redis.asyncio as aioredis
 from opentelemetry import trace
 from redis.exceptions import RedisError, ResponseError
 
-from llmmesh import billing, queue, telemetry, vocab
+from llmmesh import billing, queue, streamauth, telemetry, vocab
 from llmmesh.admission import Admission, Reservation
 from llmmesh.jobs import JobResults
 from llmmesh.v1 import worker_pb2
@@ -61,6 +62,21 @@ class Held:
     # Read fresh from the queue (">"): never delivered to any router, so its result stream is
     # empty and reading it back can be skipped. False for entries taken over from a router.
     fresh: bool = False
+
+
+def _error_for_undecodable(fields: dict) -> tuple[str, dict[str, str]] | None:
+    """(result stream, error event) for the request an undecodable entry names, if it names
+    one: signed with the router's key when its stream key reads (else its gateway drops it)."""
+    try:
+        body = json.loads(fields.get("d") or fields.get(b"d") or "")
+        rid, stream_key = body.get("request_id"), body.get("stream_key")
+        key = streamauth.router_key(stream_key) if isinstance(stream_key, str) and stream_key else None
+    except (ValueError, TypeError, AttributeError):
+        return None
+    if not isinstance(rid, str) or not 0 < len(rid) <= 512:
+        return None
+    return queue.result_stream(rid), queue.error_event(
+        "INTERNAL", "this request's queue entry could not be read; retry", key)
 
 
 class Dispatcher:
@@ -141,14 +157,17 @@ class Dispatcher:
             return
         try:
             entry = queue.QueueEntry.decode(fields)
-        except (ValueError, TypeError, KeyError) as exc:
+            # Fields of the wrong type decode (JSON has no schema) and fail here instead: this
+            # runs in the claim loop too, where it used to stop every entry claimed after it.
+            cost = len(entry.prompt_token_ids) + int(entry.sampling.get("max_tokens", 0))
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
             # A rolling upgrade's new field, or a stranger's write: never fatal to the loop.
             log.error("undecodable %s entry %s (%s): dead-lettered", cls, entry_id, exc)
-            self._spawn(self._drop_undecodable(cls, entry_id, f"undecodable: {exc}"))
+            self._spawn(self._drop_undecodable(cls, entry_id, fields,
+                                               f"undecodable: {type(exc).__name__}: {exc}"))
             return
         held = Held(cls, entry_id, RequestProgress(entry), fresh)
         self.held[cls, entry_id] = held
-        cost = len(entry.prompt_token_ids) + int(entry.sampling.get("max_tokens", 0))
         self.sched.push(cls, entry.tenant_id, held, cost)
 
     def _spawn(self, coro) -> None:
@@ -156,10 +175,16 @@ class Dispatcher:
         self._side_tasks.add(task)
         task.add_done_callback(self._side_tasks.discard)
 
-    async def _drop_undecodable(self, cls: str, entry_id: str, reason: str) -> None:
+    async def _drop_undecodable(self, cls: str, entry_id: str, fields: dict, reason: str) -> None:
+        stream = queue.queue_stream(cls)
         try:
             await queue.dead_letter(self.redis, queue.dead_letter_record(
-                entry_id=entry_id, request_class=cls, reason=reason))
+                entry_id=entry_id, request_class=cls, reason=reason,
+                deliveries=await self._deliveries(stream, entry_id)))
+            told = _error_for_undecodable(fields)
+            if told is not None:   # its gateway waits on it: a typed error, not its deadline
+                await self.redis.xadd(*told)
+                await self.redis.expire(told[0], queue.RESULT_TTL_S)
             async with self.redis.pipeline(transaction=True) as pipe:
                 pipe.xack(queue.queue_stream(cls), queue.ROUTER_GROUP, entry_id)
                 pipe.xdel(queue.queue_stream(cls), entry_id)
@@ -202,6 +227,14 @@ class Dispatcher:
             except RedisError as exc:
                 log.warning("request %s: Redis failed under it (%s); resuming it once Redis "
                             "answers", held.progress.entry.request_id, exc)
+            except Exception:  # noqa: BLE001 - a poison entry must not die unseen
+                # Left pending: a router takes it over after claim_idle_ms and Redis counts
+                # that delivery, so an entry that fails every time is dead-lettered after
+                # queue.MAX_DELIVERIES, whichever routers held it (and whatever they remember).
+                log.exception("request %s (%s entry %s, delivery %d): dispatch failed; left "
+                              "for redelivery", held.progress.entry.request_id,
+                              held.request_class, held.entry_id, held.progress.delivery)
+                return
             fresh = False
             await asyncio.sleep(REDIS_RETRY_S)
             if not await self._still_queued(held):
@@ -248,7 +281,7 @@ class Dispatcher:
         billed = False
         with self.tracer.start_as_current_span("router dispatch", context=ctx) as span:
             try:
-                reason, device = await self._attempts(p, cancelled)
+                reason, device = await self._attempts(p, cancelled, entry_id)
                 if early_check is not None and await early_check and not p.delivered:
                     # Cancelled before the router took it: ends as before, unbilled.
                     raise RequestFailed("CANCELLED", "request cancelled before it started")
@@ -306,7 +339,8 @@ class Dispatcher:
             pipe.xdel(queue.queue_stream(cls), entry_id)
             await pipe.execute()
 
-    async def _attempts(self, p: RequestProgress, cancelled_early: bool) -> tuple[str, str]:
+    async def _attempts(self, p: RequestProgress, cancelled_early: bool,
+                        entry_id: str = "") -> tuple[str, str]:
         e = p.entry
         if p.end_reason is not None:   # it ended on a worker; only the final is missing
             return p.end_reason, ""
@@ -316,7 +350,8 @@ class Dispatcher:
             raise RequestFailed("CANCELLED", "request cancelled before it started")
         if p.give_up is not None:
             await queue.dead_letter(self.redis, queue.dead_letter_record(
-                entry_id="", request_class=e.request_class, entry=e, reason=p.give_up))
+                entry_id=entry_id, request_class=e.request_class, entry=e, reason=p.give_up,
+                deliveries=p.delivery))
             raise RequestFailed("UNAVAILABLE", f"{p.give_up}; retry later")
         while p.attempts < MAX_ATTEMPTS:
             if p.cancelled:
@@ -347,7 +382,7 @@ class Dispatcher:
             if worker.breaker:
                 worker.breaker.on_failure()
         await queue.dead_letter(self.redis, queue.dead_letter_record(
-            entry_id="", request_class=e.request_class, entry=e, deliveries=p.attempts,
+            entry_id=entry_id, request_class=e.request_class, entry=e, deliveries=p.delivery,
             reason=f"failed on {MAX_ATTEMPTS} workers"))
         raise RequestFailed("UNAVAILABLE", f"request failed on {MAX_ATTEMPTS} workers; retry later")
 

@@ -20,6 +20,15 @@ from router.breaker import CircuitBreaker
 log = logging.getLogger("router.registry")
 # Reports lag dispatch by up to two refresh periods (the worker's and ours).
 RECENT_HASH_TTL_S = 3.0
+# A worker that stops answering (SIGSTOP, a hung host) keeps its TCP connection open: without
+# pings its calls would wait for their deadlines. A ping every 2 s while calls run, unanswered
+# for 2 s, closes the connection: its calls end UNAVAILABLE and are retried elsewhere, their
+# failures open its circuit. (Workers allow pings this often: llmmesh.server.INTERNAL_OPTIONS.)
+# grpcio 1.85 enforces the unanswered ping by ping_timeout_ms, not keepalive_timeout_ms: with
+# the latter alone a call on a SIGSTOPped peer waited out its 30 s deadline; with both, it
+# ended UNAVAILABLE 4.0 s after the stop.
+WORKER_KEEPALIVE = (("grpc.keepalive_time_ms", 2_000), ("grpc.keepalive_timeout_ms", 2_000),
+                    ("grpc.http2.ping_timeout_ms", 2_000), ("grpc.http2.max_pings_without_data", 0))
 
 
 @dataclass(eq=False)
@@ -117,7 +126,7 @@ class WorkerRegistry:
     def _add(self, info: dict) -> None:
         # Mutual TLS, and the far end must hold a worker certificate: a lease naming any other
         # address (a forged one in Redis) cannot draw requests.
-        channel = mtls.aio_channel(info["address"], self.identity, Role.WORKER)
+        channel = mtls.aio_channel(info["address"], self.identity, Role.WORKER, WORKER_KEEPALIVE)
         self.workers[info["worker_id"]] = WorkerHandle(
             worker_id=info["worker_id"], address=info["address"],
             max_inflight=int(info.get("max_inflight", 32)), channel=channel,

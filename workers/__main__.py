@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import socket
+import time
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
@@ -29,6 +30,7 @@ from workers.servicer import WorkerServicer
 log = logging.getLogger("workers")
 LEASE_TTL_S = 10
 FAIL_AFTER_STEPS_ENV = "LLMMESH_TEST_FAIL_AFTER_STEPS"
+STEP_DELAY_MS_ENV = "LLMMESH_TEST_STEP_DELAY_MS"
 
 
 def _args() -> argparse.Namespace:
@@ -140,6 +142,8 @@ async def main() -> None:
     engine = host.engine
     if os.environ.get(FAIL_AFTER_STEPS_ENV):
         _fail_after_steps(engine, int(os.environ[FAIL_AFTER_STEPS_ENV]))
+    if os.environ.get(STEP_DELAY_MS_ENV):
+        _delay_steps(engine, float(os.environ[STEP_DELAY_MS_ENV]))
     if args.metrics_port >= 0:
         worker_metrics = WorkerMetrics(CollectorRegistry(), engine, args.worker_id, host)
         engine.on_step = worker_metrics.on_step
@@ -212,6 +216,22 @@ def _fail_after_steps(engine: AsyncEngine, num_steps: int) -> None:
                 raise RuntimeError(f"injected fault: forward pass {done[0]} after {num_steps}")
             return execute(scheduler_output)
         runner.execute = failing
+
+
+def _delay_steps(engine: AsyncEngine, delay_ms: float) -> None:
+    """Tests only (the chaos suite: F2's slow worker, and a tiny model paced like a real one):
+    every forward pass of the loaded models takes `delay_ms` longer, as a throttled device
+    would (on the engine's thread, so the servicer still answers, aborts and cancels)."""
+    log.warning("%s=%g: every forward pass is slowed down (fault injection for tests)",
+                STEP_DELAY_MS_ENV, delay_ms)
+    for name in engine.models:
+        runner = engine.core_of(name).runner
+        execute = runner.execute
+
+        def slow(scheduler_output, execute=execute):
+            time.sleep(delay_ms / 1000)
+            return execute(scheduler_output)
+        runner.execute = slow
 
 
 def _cuda_name() -> str:
