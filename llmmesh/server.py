@@ -88,6 +88,41 @@ def _wrap_stream(behavior, method: str):
     return wrapper
 
 
+class HealthServicer(health.aio.HealthServicer):
+    """grpc.health.v1 as the stock async servicer, with List, and Watch as a stream handler.
+
+    The stock Watch writes with context.write() instead of yielding, which the interceptors
+    here (role checks, error mapping: they wrap stream handlers as async generators) cannot
+    relay, so every Watch ended INTERNAL; and List is left unimplemented (INTERNAL through the
+    error mapping). Kubernetes' probes use Check, but Watch is what long-lived clients and
+    meshes use to follow a service's status."""
+
+    async def List(self, request, context) -> health_pb2.HealthListResponse:
+        return health_pb2.HealthListResponse(statuses={
+            name: health_pb2.HealthCheckResponse(status=status)
+            for name, status in self._server_status.items()})
+
+    async def Watch(self, request, context):
+        service = request.service
+        condition = self._server_watchers[service]
+        self._watcher_count_by_service[service] += 1
+        last = None
+        try:
+            async with condition:
+                while True:
+                    status = self._server_status.get(
+                        service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+                    if status != last:
+                        yield health_pb2.HealthCheckResponse(status=status)
+                        last = status
+                    await condition.wait()
+        finally:
+            self._watcher_count_by_service[service] -= 1
+            if self._watcher_count_by_service[service] == 0:
+                del self._server_watchers[service]
+                del self._watcher_count_by_service[service]
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Maps MeshError subclasses to their status code; anything else to INTERNAL without a trace."""
 
@@ -184,7 +219,7 @@ async def serve(spec: ServiceSpec, listen: str, *, grace_s: float = 5.0,
                              options=list(options.items()))
     for add, servicer in spec.servicers:
         add(servicer, server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*spec.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)

@@ -82,10 +82,11 @@ def test_every_internal_port_refuses_plaintext_no_cert_and_another_ca(mesh, stra
         assert admitted == "SERVING", name
 
 
-def _methods(address: str, mesh, role: Role) -> list[tuple[str, bool]]:
-    """(full method name, server-streaming) of every service the port lists through reflection."""
+def _methods(address: str, mesh, role: Role | None) -> list[tuple[str, bool]]:
+    """(full method name, server-streaming) of every service the port lists through reflection
+    (role None: the gateway's public port, plaintext on loopback)."""
     from google.protobuf import descriptor_pb2
-    with mtls.channel(address, mesh.identity(), role) as channel:
+    with (mtls.channel(address, mesh.identity(), role) if role else grpc.insecure_channel(address)) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
         names = [s.name for s in reply.list_services_response.service]
@@ -115,6 +116,8 @@ def _call(channel: grpc.Channel, method: str, streaming: bool) -> str:
         code = exc.code()
         if code == grpc.StatusCode.UNAVAILABLE and "connect" in (exc.details() or ""):
             return "handshake refused"
+        if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNIMPLEMENTED):
+            return f"broken: {code.name}"   # past the role check, but the method itself failed
         return "denied" if code == grpc.StatusCode.PERMISSION_DENIED else "answered"
 
 
@@ -147,6 +150,40 @@ def test_each_method_answers_only_the_roles_that_may_call_it(mesh, stranger):
             expected = "answered" if role in allowed_roles(method.split()[-1]) else "denied"
             assert row[role.value] == expected, (method, role)
     assert any("CostService/GetUsage" in m for m, _ in rows)
+
+
+def test_the_public_port_answers_health_to_anyone_and_its_api_only_to_a_tenant(mesh):
+    """S8 at the door: every method the gateway lists (reflection), called with no API key and
+    with a tenant's: without a key only health and reflection answer; with one, every
+    GatewayService method gets past authentication (an empty request is then refused for its
+    content, not for who sent it)."""
+    address = mesh.procs["gateway"].address
+    rows = []
+    for method, streaming in _methods(address, mesh, None):
+        row = {}
+        for label, md in (("no key", ()), ("tenant key", auth(DEMO_KEYS["acme"]))):
+            with grpc.insecure_channel(address) as channel:
+                try:
+                    call = channel.unary_stream(method) if streaming else channel.unary_unary(method)
+                    reply = call(b"", metadata=md, timeout=3)
+                    if streaming:
+                        next(iter(reply), None)
+                    row[label] = "OK"
+                except grpc.RpcError as exc:
+                    row[label] = exc.code().name
+        rows.append((method, row))
+    print()
+    for method, row in rows:
+        print(f"  gateway {method:48} | no key: {row['no key']:17} | tenant key: {row['tenant key']}")
+    api = [(m, r) for m, r in rows if m.startswith("/llmmesh.v1.GatewayService/")]
+    assert len(api) >= 7
+    for method, row in rows:
+        if method.startswith("/llmmesh.v1.GatewayService/"):
+            assert row["no key"] == "UNAUTHENTICATED", method
+            assert row["tenant key"] not in ("UNAUTHENTICATED", "PERMISSION_DENIED", "INTERNAL",
+                                             "UNKNOWN"), (method, row)
+        else:   # health and reflection: for probes and tools, no tenant needed
+            assert row["no key"] == row["tenant key"] == "OK", (method, row)
 
 
 def _forged_bill(request_id: str) -> trace_service_pb2.ExportTraceServiceRequest:
