@@ -52,6 +52,10 @@ def _args() -> argparse.Namespace:
                         "(each holds a Redis connection while it waits for tokens)")
     p.add_argument("--max-streams-per-connection", type=int,
                    default=int(env("LLMMESH_GATEWAY_MAX_STREAMS_PER_CONNECTION", "100")))
+    p.add_argument("--idle-stream-s", type=float,
+                   default=float(env("LLMMESH_GATEWAY_IDLE_STREAM_S", "900")),
+                   help="end a call (DEADLINE_EXCEEDED, the request cancelled) that got no "
+                        "token or end for this long, deadline or not; 0: never")
     p.add_argument("--idle-connection-s", type=float,
                    default=float(env("LLMMESH_GATEWAY_IDLE_CONNECTION_S", "300")),
                    help="close a client connection with no call for this long")
@@ -88,7 +92,8 @@ async def main() -> None:
     frontend = Frontend(redis, FrontendConfig(block_size=args.block_size,
                                               server_address=args.listen,
                                               max_streams_per_tenant=args.max_streams_per_tenant,
-                                              max_streams=args.max_streams),
+                                              max_streams=args.max_streams,
+                                              idle_stream_s=args.idle_stream_s),
                         tracer, GatewayMetrics(registry))
     metrics.start(args, registry)
     try:

@@ -45,12 +45,15 @@ class FrontendConfig:
     server_address: str = ""     # host:port clients call (server.address / server.port on spans)
     max_streams_per_tenant: int = 256   # open calls per tenant on this gateway; 0: no cap
     max_streams: int = 2048             # open calls on this gateway, all tenants; 0: no cap
+    # A call that got no token or end for this long ends (DEADLINE_EXCEEDED, the request
+    # cancelled), with or without a client deadline: no stream waits for ever; 0: never.
+    idle_stream_s: float = 900.0
 
     def __post_init__(self):
         if self.block_size <= 0 or self.max_queue_len <= 0:
             raise ValueError("block_size and max_queue_len must be positive")
-        if self.max_streams_per_tenant < 0 or self.max_streams < 0:
-            raise ValueError("max_streams_per_tenant and max_streams must be >= 0")
+        if self.max_streams_per_tenant < 0 or self.max_streams < 0 or self.idle_stream_s < 0:
+            raise ValueError("max_streams_per_tenant, max_streams and idle_stream_s must be >= 0")
 
 
 @dataclass(slots=True)
@@ -266,10 +269,16 @@ class Frontend:
         stream, last_id, finished, next_index = queue.result_stream(request_id), "0-0", False, 0
         task = asyncio.current_task()
         outage_since = None
+        idle_s = self.config.idle_stream_s
+        last_event = time.monotonic()
         try:
             while True:
                 if deadline_unix_ns and time.time_ns() > deadline_unix_ns:
                     raise DeadlineExceeded("deadline passed before the request finished")
+                if idle_s and time.monotonic() - last_event > idle_s:
+                    raise DeadlineExceeded(
+                        f"no token for {idle_s:g} s (the gateway's --idle-stream-s); the request "
+                        "was cancelled: retry, or with batch work use a batch job")
                 try:
                     reply = await self.redis.xread({stream: last_id}, count=64, block=_POLL_BLOCK_MS)
                     if outage_since is not None:
@@ -295,6 +304,7 @@ class Frontend:
                             if self.metrics is not None:
                                 self.metrics.stream_event_refused()
                             continue
+                        last_event = time.monotonic()
                         if event["kind"] == "tokens":
                             if not event["ids"]:
                                 continue   # a worker's empty last chunk (an end marker only)

@@ -17,15 +17,17 @@ from llmmesh.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.e2e.meshkit import DEMO_KEYS, auth, chat
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
-CAP = 64          # --max-streams-per-tenant for this test (default 256)
-PER_TENANT = 150  # idle streams each of two tenants tries to open: 300 in all
+CAP = 440         # --max-streams-per-tenant for this test (default 256)
+PER_TENANT = 500  # idle streams each of two tenants tries to open: 1,000 in all (S7)
+IDLE_STREAM_S = 20  # --idle-stream-s: the gateway ends a call with no token for this long
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
     m = Mesh(var_dir=str(tmp_path_factory.mktemp("limits")),
              gateway_args=["--max-streams-per-tenant", str(CAP), "--idle-connection-s", "1",
-                           "--max-message-mib", "1", "--max-streams", "200"])
+                           "--idle-stream-s", str(IDLE_STREAM_S),
+                           "--max-message-mib", "1", "--max-streams", "1000"])
     try:
         asyncio.run(m.up(num_workers=0, timeout_s=120))
         yield m
@@ -75,7 +77,7 @@ def test_idle_streams_are_capped_per_tenant_and_their_memory_is_bounded(mesh):
         # Several connections, as many clients would (a connection allows 100 streams; a local
         # subchannel pool keeps gRPC from sharing one connection among the channels).
         channels = [grpc.aio.insecure_channel(address, options=[
-            ("grpc.use_local_subchannel_pool", 1)]) for _ in range(6)]
+            ("grpc.use_local_subchannel_pool", 1)]) for _ in range(12)]
         calls, codes = [], {"acme": [], "globex": []}
         for i in range(PER_TENANT):
             for j, tenant in enumerate(("acme", "globex")):
@@ -92,13 +94,18 @@ def test_idle_streams_are_capped_per_tenant_and_their_memory_is_bounded(mesh):
                 return exc.code()
         # Refusals come back at once; admitted streams stay open (nothing serves them).
         waits = [asyncio.create_task(first(t, c)) for t, c in calls]
-        await asyncio.sleep(8)
+        opened = time.monotonic()
+        await asyncio.sleep(15)
         for (tenant, _), w in zip(calls, waits):
             codes[tenant].append(w.result() if w.done() else "open")
         during = rss_mib(mesh)
-        for _, call in calls:
-            call.cancel()
-        await asyncio.gather(*waits, return_exceptions=True)
+        # Nothing ever serves them, and their client deadline is far: the gateway's idle-stream
+        # timeout ends every one of them, and cancels its request.
+        ended = await asyncio.wait_for(asyncio.gather(*waits), IDLE_STREAM_S + 15)
+        idle_ended = sum(1 for code in ended if code == grpc.StatusCode.DEADLINE_EXCEEDED)
+        print(f"\n  {idle_ended} idle streams ended by --idle-stream-s {IDLE_STREAM_S} "
+              f"(client deadline 120 s) {time.monotonic() - opened:.0f} s after they opened")
+        assert idle_ended == 2 * CAP, (idle_ended, ended[:4])
         for channel in channels:
             await channel.close()
         await asyncio.sleep(2)
