@@ -173,7 +173,7 @@ def test_q3_router_killed_holding_entries_and_poison_entries_dead_lettered(mesh)
     assert r.xlen(queue.DEAD_LETTER_STREAM) <= queue.DEAD_LETTER_MAXLEN + 100
     assert r.xpending(stream, queue.ROUTER_GROUP)["pending"] == 0
     assert all(o.usage is not None for o in results), [o for o in results if o.usage is None]
-    report("Q3: a router SIGKILLed holding entries, beside poison entries", results, mesh, "q3")
+    report("Q3: a router SIGKILLed holding entries, beside poison entries (tiny model)", results, mesh, "q3")
 
 
 # -- F6 ---------------------------------------------------------------------------------------
@@ -225,7 +225,7 @@ def test_f6_a_worker_sigstopped_opens_its_circuit_and_closes_it_after_sigcont(me
     # Moved off the stopped worker before it came back, not when it did.
     assert worst_gap < F6_STOP_S - 0.25, worst_gap
     assert any("open" in v for v in seen.values()), seen
-    report(f"F6: a worker SIGSTOPped {F6_STOP_S:.0f} s, then SIGCONT", results + after, mesh, "f6")
+    report(f"F6: a worker SIGSTOPped {F6_STOP_S:.0f} s, then SIGCONT (tiny model)", results + after, mesh, "f6")
     log = open(f"{mesh.log_dir}/router.log").read() + open(f"{mesh.log_dir}/router1.log").read()
     assert "circuit closed -> open" in log
 
@@ -260,8 +260,14 @@ def _server_overshoot_ms(mesh, outcomes, tag: str) -> list[float]:
 
 def test_f2_short_deadlines_against_a_slow_worker(mesh):
     """Requests with 300 ms deadlines against a worker whose forward passes take 120 ms longer
-    (the other worker stopped): each ends in a completion or DEADLINE_EXCEEDED soon after its
-    deadline, and 1 s later no generation runs on for a client that is gone."""
+    (the other worker stopped): each ends in a completion or DEADLINE_EXCEEDED within 50 ms of
+    its deadline, and 1 s later no generation runs on for a client that is gone.
+
+    The overshoot is what the client measured from its call to the error: the client's own gRPC
+    deadline bounds it too, so the mesh's part is shown beside it (when the router wrote the
+    error event), and a negative overshoot is the mesh's DEADLINE_EXCEEDED arriving first (a
+    worker's attempt ends router.relay.WORKER_DEADLINE_MARGIN_NS early, so that every token it
+    appended reaches the client, and the bill equals what the clients got)."""
     mesh.stop_one("worker0")
     saved = mesh.env
     mesh.stop_one("worker1")
@@ -295,7 +301,7 @@ def test_f2_short_deadlines_against_a_slow_worker(mesh):
         assert all(o.code in (None, grpc.StatusCode.DEADLINE_EXCEEDED) for o in results)
         assert running.num_running == 0 and running.num_waiting == 0
         assert p99 <= 50, overshoot_ms
-        report("F2: 300 ms deadlines against a slow worker", results, mesh, "f2")
+        report("F2: 300 ms deadlines against a slow worker (tiny model, +120 ms a step)", results, mesh, "f2")
     finally:
         mesh.stop_one("worker1")
         mesh.start_worker("worker1")
