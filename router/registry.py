@@ -117,8 +117,6 @@ class WorkerRegistry:
             handle = self.workers.get(worker_id)
             if handle is None or handle.address != info["address"]:
                 self._add(info)
-            elif not handle.healthy:
-                handle.healthy = True  # a fresh lease after a failure: try it again
             self.workers[worker_id].lease_models = tuple(_lease_models(info))
         await self._probe_loads()
         self.changed.set()
@@ -139,6 +137,10 @@ class WorkerRegistry:
         async def probe(h: WorkerHandle):
             try:
                 h.load = await h.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=1.0)
+                # An answer brings back a worker a failed attempt took out of the way; a lease
+                # alone did, for the length of this probe: a stopped worker's lease outlives it
+                # by up to 10 s, and requests placed meanwhile waited on it.
+                h.healthy = True
             except grpc.aio.AioRpcError:
                 h.healthy = False
             members = await self.redis.smembers(queue.worker_cache_key(h.worker_id))
