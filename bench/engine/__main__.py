@@ -21,7 +21,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads libgo
 
 import torch  # noqa: E402
 
-from bench.engine import ours, peers  # noqa: E402
+from bench.engine import ours, peers, roofline  # noqa: E402
 from bench.engine.report import write_report  # noqa: E402
 from bench.engine.verdicts import verdicts  # noqa: E402
 from bench.environment import environment  # noqa: E402
@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.kl_tokens and args.ppl_tokens:
         print("[bench-engine] fp32 reference logits ...", flush=True)
         ref = ours.reference(gguf, min(args.kl_tokens, args.ppl_tokens))
+    print("[bench-engine] roofline: read bandwidth, GEMM peaks ...", flush=True)
+    torch.set_num_threads(args.threads)
+    roof = roofline.measure()
     for mode in args.modes:
         print(f"[bench-engine] ours {mode} ...", flush=True)
         mode_results.append(ours.run_mode(
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_report(out, _header(args, argv, started, env), mode_results, peer_results,
-                 args.concurrency, verdicts(mode_results, peer_results, args.concurrency))
+                 args.concurrency, verdicts(mode_results, peer_results, args.concurrency), roof)
     print(out.read_text())
 
 

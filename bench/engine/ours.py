@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bench.engine import roofline
 from llmmesh.tokenizer import Tokenizer
 from workers.engine import EngineConfig, EngineCore, SamplingParams
 from workers.model.perplexity import (decode_logprobs, divergence, evaluation_text, perplexity,
@@ -31,6 +32,8 @@ class ModeResult:
     kl_vs_fp32: float | None = None        # decode path vs the fp32 reference, nats per token
     top1_vs_fp32: float | None = None      # share of positions with the reference's top token
     weight_bytes: dict[str, int] = field(default_factory=dict)
+    linear_params: int = 0                 # weights a decode step multiplies by (roofline)
+    prefill_params: int = 0                # ... and a prompt token
 
 
 def build_engine(gguf_path: str, mode: str, device: str, threads: int,
@@ -167,4 +170,5 @@ def run_mode(gguf_path: str, mode: str, *, device: str, threads: int, concurrenc
             measure_quality(result, core, gguf_path, ppl_tokens, ref)
         else:
             result.weight_bytes = weight_bytes(core.runner.model)
+        result.linear_params, result.prefill_params = roofline.linear_params(core.runner.model)
     return result

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.engine import roofline
 from bench.engine.ours import ModeResult
 from bench.engine.peers import PeerResult
 
@@ -127,7 +128,8 @@ def plot(path: Path, modes: list[ModeResult], peers: list[PeerResult],
 
 
 def write_report(path: Path, header: list[str], modes: list[ModeResult],
-                 peers: list[PeerResult], concurrency: list[int], verdicts: list[str]) -> None:
+                 peers: list[PeerResult], concurrency: list[int], verdicts: list[str],
+                 roof: roofline.Roofline | None = None) -> None:
     by_name = {p.name: p for p in peers}
     lines = header + ["", "## Throughput (tok/s, higher is better)", ""]
     lines += throughput_table(modes, peers, concurrency)
@@ -144,6 +146,13 @@ def write_report(path: Path, header: list[str], modes: list[ModeResult],
               "and int4 on a CPU: the kernels' int8-quantized activations, as in every decode "
               "step). Resident weights include the bf16 prefill copies.", ""]
     lines += quality_table(modes)
+    if roof is not None:
+        lines += ["", "## Roofline: each cell as a share of this machine's bound (same run)", "",
+                  "Measured before the cells (bench/engine/roofline.py). Decode @N is bounded by "
+                  "max(weights streamed / read bandwidth, 2·P·N / GEMM peak), prefill by 2·P per "
+                  "token at the fastest GEMM; attention and KV reads are left out, so the bounds "
+                  "are optimistic.", ""]
+        lines += roofline.table(roof, modes, concurrency)
     lines += ["", "## Targets (issue 3)", ""] + verdicts
     notes = [f"- {p.name}: {p.note}" for p in peers if p.note]
     if notes:

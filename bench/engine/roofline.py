@@ -1,0 +1,126 @@
+"""A roofline of this machine, measured in the same run as the engine cells it bounds.
+
+- streaming read: GB/s of a float32 sum over a buffer far larger than the caches;
+- int8 GEMM: the best of our own kernels (int8 and int4 weights, both int8 dot products on
+  int8 activations: what every int8/int4 decode step runs) at 128 and 512 rows, where they are
+  compute-bound — no faster int8 GEMM exists here (torch._int_mm is measured beside it);
+- fp32 and bf16 GEMM: torch's (oneDNN; bf16 runs on AMX / AVX-512 bf16 where the CPU has them).
+
+A cell's bound: decode at N sequences must stream the weights once per step and do 2·P·N
+operations (P = the projection and output-layer weights), so a step takes at least
+max(bytes / read bandwidth, 2·P·N / GEMM peak) — int8 peak for int4/int8, fp32 peak for fp32;
+prefill must do 2·P' operations per token (P': the projections; a prompt's last token alone
+goes through the output layer) at the fastest GEMM measured. Attention and the KV
+cache reads are left out, so every bound is optimistic and a cell can never pass 100%.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Roofline:
+    read_gbs: float
+    int8_gops: float       # ours, best of int8/int4 weights at 128 and 512 rows
+    fp32_gflops: float
+    bf16_gflops: float
+    int_mm_gops: float     # torch._int_mm, for reference (0: unavailable)
+
+    def gemm_peak(self, mode: str) -> float:
+        """Operations per second a decode step of `mode` can do at best."""
+        return 1e9 * (self.fp32_gflops if mode == "fp32" else self.int8_gops)
+
+    def best_gemm(self) -> float:
+        return 1e9 * max(self.int8_gops, self.fp32_gflops, self.bf16_gflops)
+
+
+def decode_bound_tps(roof: Roofline, mode: str, streamed_bytes: int, params: int, n: int) -> float:
+    """Tokens per second a decode step of n sequences cannot beat."""
+    step_s = max(streamed_bytes / (roof.read_gbs * 1e9), 2 * params * n / roof.gemm_peak(mode))
+    return n / step_s
+
+
+def prefill_bound_tps(roof: Roofline, params: int) -> float:
+    return roof.best_gemm() / (2 * params)
+
+
+def _best_s(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def measure(read_mib: int = 512, gemm: int = 2048, rows: tuple[int, ...] = (128, 512),
+            repeats: int = 5) -> Roofline:
+    """Best of `repeats` each (on a shared host the fastest run is the least disturbed)."""
+    from workers.model.linear import Linear, convert_linear
+    with torch.inference_mode():
+        buf = torch.ones(read_mib * 2**20 // 4)
+        read_s = _best_s(lambda: buf.sum(), repeats)
+        del buf
+        a = torch.randn(gemm, gemm)
+        fp32_s = _best_s(lambda: a @ a, repeats)
+        b = a.to(torch.bfloat16)
+        bf16_s = _best_s(lambda: b @ b, max(1, repeats // 2))
+        int8_gops = 0.0
+        for mode in ("int8", "int4"):   # both run int8 dot products on int8 activations
+            layer = Linear(gemm, gemm, "cpu", torch.float32)
+            layer.weight.data.normal_()
+            q = convert_linear(layer, mode, "cpu", torch.float32, prefill_copy=False)
+            for m in rows:
+                x = torch.randn(m, gemm)
+                int8_gops = max(int8_gops, 2 * m * gemm * gemm / _best_s(lambda: q(x), repeats) / 1e9)
+        try:
+            ai = torch.randint(-127, 127, (rows[-1], gemm), dtype=torch.int8)
+            bi = torch.randint(-127, 127, (gemm, gemm), dtype=torch.int8)
+            int_mm = 2 * rows[-1] * gemm * gemm / _best_s(lambda: torch._int_mm(ai, bi), 2) / 1e9
+        except (RuntimeError, AttributeError):
+            int_mm = 0.0
+    return Roofline(read_gbs=read_mib * 2**20 / read_s / 1e9,
+                    int8_gops=int8_gops,
+                    fp32_gflops=2 * gemm**3 / fp32_s / 1e9, bf16_gflops=2 * gemm**3 / bf16_s / 1e9,
+                    int_mm_gops=int_mm)
+
+
+def linear_params(model) -> tuple[int, int]:
+    """(decode, prefill): the weights a decode step multiplies each token by — every projection
+    and the output layer — and a prompt token by: the projections (only a sequence's last
+    prompt token goes through the output layer)."""
+    from workers.model.linear import Linear, QuantizedLinear
+    layers = [m for m in model.modules() if isinstance(m, (Linear, QuantizedLinear))]
+    params = sum(m.out_features * m.in_features for m in layers)
+    if model.lm_head is None:   # tied: the embedding table is the output layer
+        return params + model.embed_tokens.numel(), params
+    return params, params - model.lm_head.out_features * model.lm_head.in_features
+
+
+def table(roof: Roofline, modes, concurrency: list[int]) -> list[str]:
+    """The measured peaks, then every cell of ours as a share of its bound."""
+    lines = [f"- streaming read: {roof.read_gbs:.1f} GB/s; int8 GEMM (ours, best at 128/512 rows): "
+             f"{roof.int8_gops:.0f} GOP/s (torch._int_mm: {roof.int_mm_gops:.1f}); fp32 GEMM: "
+             f"{roof.fp32_gflops:.0f} GFLOP/s; bf16 GEMM: {roof.bf16_gflops:.1f} GFLOP/s", ""]
+    head = (["mode"] + [f"decode @{n}" for n in concurrency]
+            + [f"prefill @{n}" for n in concurrency])
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m in modes:
+        if not m.decode_tps or not m.linear_params:
+            continue
+        streamed = m.weight_bytes.get("streamed_per_step", 0)
+        cells = []
+        for n in concurrency:
+            bound = decode_bound_tps(roof, m.mode, streamed, m.linear_params, n)
+            got = m.decode_tps.get(n)
+            cells.append("—" if got is None else f"{got:,.0f} of {bound:,.0f} ({100 * got / bound:.0f}%)")
+        bound = prefill_bound_tps(roof, m.prefill_params)
+        for n in concurrency:
+            got = m.prefill_tps.get(n)
+            cells.append("—" if got is None else f"{got:,.0f} of {bound:,.0f} ({100 * got / bound:.0f}%)")
+        lines.append(f"| {m.mode} | " + " | ".join(cells) + " |")
+    return lines

@@ -1,0 +1,51 @@
+"""The engine report's roofline (bench/engine/roofline.py): bounds from measured peaks, and a
+measurement that runs."""
+from __future__ import annotations
+
+import pytest
+
+from bench.engine import roofline
+from bench.engine.ours import ModeResult
+from bench.engine.roofline import Roofline, decode_bound_tps, prefill_bound_tps
+
+ROOF = Roofline(read_gbs=20.0, int8_gops=200.0, fp32_gflops=100.0, bf16_gflops=50.0, int_mm_gops=2.0)
+
+
+def test_decode_is_bandwidth_bound_alone_and_compute_bound_in_a_big_batch():
+    streamed, params = 100e6, 130e6        # bytes per step, weights per token
+    assert decode_bound_tps(ROOF, "int4", streamed, params, 1) == pytest.approx(200.0)  # 20e9/100e6
+    # 64 sequences: 2*130e6*64 ops at 200 GOP/s = 83 ms > 5 ms of streaming.
+    assert decode_bound_tps(ROOF, "int4", streamed, params, 64) == pytest.approx(200e9 / (2 * 130e6))
+    # fp32 weights are bounded by the fp32 GEMM peak, not the int8 one.
+    assert decode_bound_tps(ROOF, "fp32", streamed, params, 64) == pytest.approx(100e9 / (2 * 130e6))
+    assert prefill_bound_tps(ROOF, 100e6) == pytest.approx(200e9 / 2e8)
+
+
+def test_the_table_shows_each_cell_as_a_share_of_its_bound():
+    m = ModeResult("int4", prefill_tps={1: 500.0}, decode_tps={1: 150.0},
+                   weight_bytes={"streamed_per_step": 100_000_000}, linear_params=130_000_000,
+                   prefill_params=100_000_000)
+    lines = roofline.table(ROOF, [m, ModeResult("bf16")], [1])
+    assert "20.0 GB/s" in lines[0]
+    row = next(line for line in lines if line.startswith("| int4"))
+    assert "150 of 200 (75%)" in row and "500 of 1,000 (50%)" in row
+    assert not any(line.startswith("| bf16") for line in lines)   # no cells measured
+
+
+def test_measure_runs_and_finds_positive_peaks():
+    roof = roofline.measure(read_mib=8, gemm=256, rows=(16,), repeats=1)
+    assert roof.read_gbs > 0 and roof.int8_gops > 0 and roof.fp32_gflops > 0 and roof.bf16_gflops > 0
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_linear_params_count_the_output_layer_for_decode_only(tied):
+    from workers.model.config import ModelConfig
+    from workers.model.loader import build_random_model
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+                      rms_norm_eps=1e-5, max_position_embeddings=128, tie_word_embeddings=tied,
+                      bos_token_id=1, eos_token_id=2)
+    decode, prefill = roofline.linear_params(build_random_model(cfg))
+    per_layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 96   # q, k, v, o, gate, up, down
+    assert prefill == 2 * per_layer
+    assert decode - prefill == 96 * 64
