@@ -26,7 +26,7 @@ EXPECTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
             grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
             grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.PERMISSION_DENIED,
             grpc.StatusCode.ALREADY_EXISTS}
-FIELD = re.compile(r"^(request|prompt|messages\[\d+\]\.(role|content)|sampling\.\w+|request_class|"
+FIELD = re.compile(r"^(request|prompt|messages(\[\d+\]\.(role|content))?|sampling\.\w+|request_class|"
                    r"request_id|model)\b")
 
 # Stands in for bytes that are not UTF-8 (Python's protobuf refuses to encode them): replaced on
