@@ -13,6 +13,7 @@ from llmmesh import metrics, redis_acl, server, telemetry
 from llmmesh.identity import Role
 from llmmesh.mtls import MeshIdentity
 from llmmesh.supervisor import Supervisor, redis_check
+from router import faults
 from router.dispatcher import Dispatcher, DispatcherConfig
 from router.fairness import ClassPolicy
 from router.metrics import RouterMetrics
@@ -56,6 +57,7 @@ async def main() -> None:
                                     decode_responses=True,
                                     socket_connect_timeout=2.0, health_check_interval=10,
                                     max_connections=2048)
+    faults.configure(args.consumer)   # tests only: LLMMESH_TEST_ROUTER_DIE_AT
     registry = WorkerRegistry(redis, identity, breaker_open_s=args.breaker_open_s)
     dispatcher = Dispatcher(redis, registry, make_policy(args.policy),
                             DispatcherConfig(consumer=args.consumer, class_policy=ClassPolicy(

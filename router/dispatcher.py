@@ -22,6 +22,7 @@ from llmmesh.admission import Admission, Reservation
 from llmmesh.jobs import JobResults
 from llmmesh.v1 import worker_pb2
 from llmmesh.vocab import CLASSES, FinishReason, RequestClass
+from router import faults
 from router.fairness import ClassPolicy, ClassScheduler
 from router.policy import Policy, place
 from router.registry import WorkerHandle, WorkerRegistry
@@ -292,6 +293,7 @@ class Dispatcher:
                               queue.final_event(reason, p.usage(), p.router_key()))
                     pipe.xadd(billing.BILLING_STREAM, billing_fields(p, reason, device, span))
                     await pipe.execute()
+                faults.reached("billed")
                 record_usage(span, p, reason, device)
                 billed = True
                 outcome = {"finish_reason": reason, "usage": p.usage()}

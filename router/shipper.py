@@ -23,6 +23,7 @@ from redis.exceptions import ResponseError
 from llmmesh import billing, mtls
 from llmmesh.identity import Role
 from llmmesh.mtls import MeshIdentity
+from router import faults
 
 log = logging.getLogger("router.shipper")
 BATCH = 256
@@ -87,6 +88,7 @@ class BillingShipper:
         return [e for _, es in fresh or () for e in es]
 
     async def _ship(self, entries: list[tuple[str, dict]]) -> bool:
+        faults.reached("before-ship")
         try:
             reply = await self.stub.Export(billing.export_request(entries), timeout=10)
         except grpc.aio.AioRpcError as exc:
@@ -98,6 +100,7 @@ class BillingShipper:
             self.num_refused += reply.partial_success.rejected_spans
             log.error("costd refused %d billing records: %s", reply.partial_success.rejected_spans,
                       reply.partial_success.error_message)
+        faults.reached("shipped")
         ids = [entry_id for entry_id, _ in entries]
         # Acknowledged, not deleted: trim_shipped drops it after the retention.
         await self.redis.xack(billing.BILLING_STREAM, billing.SHIPPER_GROUP, *ids)
