@@ -40,17 +40,25 @@ class CircuitBreaker:
             return self.clock() - self.opened_at >= self.open_s
         return not self.probing
 
-    def on_dispatch(self) -> None:
+    def on_dispatch(self) -> bool:
+        """Count a request sent to the worker; True if it is the half-open probe."""
         if self.state is CircuitState.OPEN and self.available():
             self._to(CircuitState.HALF_OPEN)
         if self.state is CircuitState.HALF_OPEN:
             self.probing = True
+            return True
+        return False
 
     def on_success(self) -> None:
         self.num_failures = 0
         self.probing = False
         if self.state is not CircuitState.CLOSED:
             self._to(CircuitState.CLOSED)
+
+    def on_released(self) -> None:
+        """The probe ended with no verdict on the worker (the client cancelled, the request's
+        own deadline or arguments): the next request may probe."""
+        self.probing = False
 
     def on_failure(self) -> None:
         self.num_failures += 1

@@ -364,11 +364,16 @@ class Dispatcher:
             if self.metrics is not None and p.attempts == 0:
                 self.metrics.dispatched(e.request_class, e.enqueued_unix_ns)
             p.worker_ids.append(worker.worker_id)
-            if worker.breaker:
-                worker.breaker.on_dispatch()
+            probe = worker.breaker.on_dispatch() if worker.breaker else False
             worker.num_inflight += 1
             try:
                 reason = await run_attempt(p, worker, self.redis)
+            except BaseException:
+                # A half-open probe that ends in a typed error (or is cancelled) gives its slot
+                # back: it used to keep it, and the circuit stayed half-open for good.
+                if probe:
+                    worker.breaker.on_released()
+                raise
             finally:
                 worker.num_inflight -= 1
                 self._slot_freed.set()

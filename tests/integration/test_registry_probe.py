@@ -1,7 +1,10 @@
-"""The router's registry against a worker that stops answering (SIGSTOP, a hung host): its lease
-is still in Redis, its GetLoad probe hangs. A worker taken out of the way by a failed attempt
-comes back only when a probe answers, never for the length of a probe that may not (chaos F6:
-a request placed in that window waits on a stopped peer)."""
+"""A worker's health as the router sees it, against in-test WorkerServices (no model).
+
+A worker that stops answering (SIGSTOP, a hung host) keeps its lease in Redis while its GetLoad
+probe hangs: one taken out of the way by a failed attempt comes back only when a probe answers,
+never for the length of a probe that may not (chaos F6: a request placed in that window waits on
+a stopped peer). A half-open circuit's probe request that ends in a typed error gives its probe
+slot back (it kept it, and the circuit stayed half-open for good)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +17,12 @@ import redis.asyncio as aioredis
 from llmmesh import queue
 from llmmesh.identity import Role
 from llmmesh.mtls import MeshIdentity
+from opentelemetry import trace
+
 from llmmesh.v1 import worker_pb2, worker_pb2_grpc
+from router.breaker import CircuitState
+from router.dispatcher import Dispatcher, DispatcherConfig
+from router.policy import make_policy
 from router.registry import WorkerRegistry
 
 
@@ -32,6 +40,14 @@ class StallingWorker(worker_pb2_grpc.WorkerServiceServicer):
         await self.answering.wait()
         return worker_pb2.GetLoadResponse(models=["m"], device_type="cpu")
 
+    async def Generate(self, request, context):
+        # A request the worker refuses (not the worker's fault: no verdict on its health).
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_k: out of range")
+        yield  # pragma: no cover - makes this a stream handler
+
+    async def Abort(self, request, context):
+        return worker_pb2.AbortResponse(aborted=False)
+
 
 async def _until(predicate, timeout_s: float = 5.0, what: str = "condition"):
     deadline = time.monotonic() + timeout_s
@@ -40,18 +56,23 @@ async def _until(predicate, timeout_s: float = 5.0, what: str = "condition"):
         await asyncio.sleep(0.01)
 
 
+async def _start(redis_server, serve_as):
+    worker = StallingWorker()
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker, server)
+    port = serve_as(server, Role.WORKER)
+    await server.start()
+    redis = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    registry = WorkerRegistry(redis, MeshIdentity.from_env(Role.ROUTER))
+    await redis.set(queue.worker_key("w1"), json.dumps(
+        {"worker_id": "w1", "address": f"127.0.0.1:{port}", "max_inflight": 4,
+         "models": [{"name": "m", "state": "loaded"}]}))
+    return worker, server, redis, registry
+
+
 def test_a_worker_out_of_the_way_stays_out_while_its_probe_hangs(redis_server, serve_as):
     async def body():
-        worker = StallingWorker()
-        server = grpc.aio.server()
-        worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker, server)
-        port = serve_as(server, Role.WORKER)
-        await server.start()
-        redis = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
-        registry = WorkerRegistry(redis, MeshIdentity.from_env(Role.ROUTER))
-        await redis.set(queue.worker_key("w1"), json.dumps(
-            {"worker_id": "w1", "address": f"127.0.0.1:{port}", "max_inflight": 4,
-             "models": [{"name": "m", "state": "loaded"}]}))
+        worker, server, redis, registry = await _start(redis_server, serve_as)
         try:
             await registry.refresh()
             (handle,) = registry.workers.values()
@@ -68,6 +89,46 @@ def test_a_worker_out_of_the_way_stays_out_while_its_probe_hangs(redis_server, s
             assert registry.available() == [handle]
         finally:
             worker.answering.set()
+            await registry.close()
+            await redis.aclose()
+            await server.stop(0)
+    asyncio.run(body())
+
+
+def test_a_half_open_probe_that_ends_in_a_typed_error_lets_the_next_request_probe(
+        redis_server, serve_as):
+    async def body():
+        worker, server, redis, registry = await _start(redis_server, serve_as)
+        dispatcher = Dispatcher(redis, registry, make_policy("least-load"),
+                                DispatcherConfig(consumer="r1"), trace.get_tracer("test"))
+        await dispatcher.ensure_groups()
+        run = asyncio.create_task(dispatcher.run())
+        try:
+            await registry.refresh()
+            (handle,) = registry.workers.values()
+            for _ in range(3):                   # three failed attempts: open
+                handle.breaker.on_failure()
+            handle.breaker.opened_at -= handle.breaker.open_s   # and cooled down
+            entry = queue.QueueEntry(
+                request_id="acme/probe/1", tenant_id="acme", request_class="interactive",
+                model="m", prompt_token_ids=[1, 2, 3], cache_salt="acme", block_hashes=[],
+                sampling={"max_tokens": 2, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                          "stop": [], "logprobs": False, "seed": None})
+            await redis.xadd(queue.queue_stream("interactive"), entry.encode())
+            stream = queue.result_stream("acme/probe/1")
+            deadline = time.monotonic() + 5
+            while not await redis.xlen(stream):
+                assert time.monotonic() < deadline, "the probe request never ended"
+                await asyncio.sleep(0.02)
+            end = queue.decode_event((await redis.xrange(stream))[-1][1])
+            assert end["kind"] == "error" and end["code"] == "INVALID_ARGUMENT", end
+            await _until(lambda: not dispatcher.running, what="the request to be done")
+            # No verdict on the worker: still half-open, and the next request may probe it.
+            assert handle.breaker.state is CircuitState.HALF_OPEN
+            assert handle.breaker.available() and registry.available() == [handle]
+        finally:
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
             await registry.close()
             await redis.aclose()
             await server.stop(0)
