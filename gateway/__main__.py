@@ -52,6 +52,10 @@ def _args() -> argparse.Namespace:
                         "(each holds a Redis connection while it waits for tokens)")
     p.add_argument("--max-streams-per-connection", type=int,
                    default=int(env("LLMMESH_GATEWAY_MAX_STREAMS_PER_CONNECTION", "100")))
+    p.add_argument("--max-queue-len", type=int,
+                   default=int(env("LLMMESH_GATEWAY_MAX_QUEUE_LEN", "10000")),
+                   help="entries each class's queue may hold; beyond, RESOURCE_EXHAUSTED with a "
+                        "retry delay (overload is refused at the door, never queued unbounded)")
     p.add_argument("--idle-stream-s", type=float,
                    default=float(env("LLMMESH_GATEWAY_IDLE_STREAM_S", "900")),
                    help="end a call (DEADLINE_EXCEEDED, the request cancelled) that got no "
@@ -93,7 +97,8 @@ async def main() -> None:
                                               server_address=args.listen,
                                               max_streams_per_tenant=args.max_streams_per_tenant,
                                               max_streams=args.max_streams,
-                                              idle_stream_s=args.idle_stream_s),
+                                              idle_stream_s=args.idle_stream_s,
+                                              max_queue_len=args.max_queue_len),
                         tracer, GatewayMetrics(registry))
     metrics.start(args, registry)
     try:
