@@ -15,6 +15,7 @@ from pathlib import Path
 
 from llmmesh import certs, redis_acl
 from llmmesh.apikeys import DEMO_ADMIN_KEY, write_admin_key
+from llmmesh.atomic_file import write_atomic
 from llmmesh.identity import Role
 from llmmesh.mtls import TLS_DIR_ENV, MeshIdentity
 from llmmesh.server import wait_serving
@@ -130,6 +131,8 @@ class Mesh:
         self.procs["redis"] = Proc("redis", self._spawn("redis", [find_redis_server(), conf]),
                                    f"127.0.0.1:{port}")
         self.redis_url = self.redis_url_for("admin")
+        # For operators' tools on this machine (`llmmesh reconcile`): 0600, like the passwords.
+        write_atomic(os.path.join(self.redis_credentials, "admin.url"), [self.redis_url.encode()])
         return self.redis_url
 
     def redis_url_for(self, role: str) -> str | None:

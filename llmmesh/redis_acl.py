@@ -43,6 +43,20 @@ RULES: dict[str, str] = {
 ROLES = tuple(RULES)
 
 
+# `make up` leaves the admin user's URL here (0600), for operators' tools on this machine.
+LOCAL_ADMIN_URL = Path("var/redis-users/admin.url")
+
+
+def local_admin_url(environ: Mapping[str, str] = os.environ) -> str:
+    """REDIS_URL if set, else the URL `make up` left for operators, else the local default."""
+    if environ.get("REDIS_URL"):
+        return environ["REDIS_URL"]
+    try:
+        return LOCAL_ADMIN_URL.read_text().strip()
+    except OSError:
+        return "redis://127.0.0.1:6379/0"
+
+
 def password_path(directory: str | Path, role: str) -> Path:
     return Path(directory) / f"redis-{role}.password"
 

@@ -45,8 +45,9 @@ def _text(report: Report) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m costd.reconcile", description=__doc__)
     parser.add_argument("--db", default=os.environ.get(LEDGER_URL_ENV, DEFAULT_LEDGER_URL))
-    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL",
-                                                              "redis://127.0.0.1:6379/0"))
+    parser.add_argument("--redis-url", default=redis_acl.local_admin_url(),
+                        help="default: REDIS_URL, else the admin URL `make up` left in "
+                             "var/redis-users/admin.url")
     parser.add_argument("--since-s", type=float, default=3600.0)
     parser.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
                         help="leave out what ended this recently (it may be on its way)")

@@ -101,6 +101,9 @@ def test_no_anonymous_or_password_only_login_and_no_password_in_the_open(private
         path = redis_acl.password_path(directory, role)
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
         assert path.read_text().strip() not in acl                # digests only
+    admin_url = os.path.join(directory, "admin.url")        # for operators' tools, 0600
+    assert stat.S_IMODE(os.stat(admin_url).st_mode) == 0o600
+    assert open(admin_url).read() == private_redis.redis_url
     argv = open(f"/proc/{private_redis.procs['redis'].popen.pid}/cmdline").read()
     assert password not in argv
 
