@@ -210,10 +210,11 @@ def test_f6_a_worker_sigstopped_opens_its_circuit_and_closes_it_after_sigcont(me
                 time.sleep(0.2)
         finally:
             os.kill(pid, signal.SIGCONT)
+            continued = time.monotonic()
         results = burst.result(timeout=300) + loop.result(timeout=300)
     # Traffic after SIGCONT until both circuits close: after its cool-down (--breaker-open-s,
     # 5 s) each router sends worker1 one probe request, and its success closes the circuit.
-    after, continued = [], time.monotonic()
+    after = []
     while not all(_circuit(mesh, r, "worker1") == "closed" for r in seen):
         assert time.monotonic() - continued < 30, (
             "worker1's circuits did not close", {r: _circuit(mesh, r, "worker1") for r in seen})
@@ -222,9 +223,11 @@ def test_f6_a_worker_sigstopped_opens_its_circuit_and_closes_it_after_sigcont(me
     closed_s = time.monotonic() - continued
     worst = max(o.seconds for o in results + after)
     worst_gap = max(o.max_gap_s for o in results)
+    lapsed = any("gone" in v for v in seen.values())
     print(f"\n  F6: worker1 stopped {F6_STOP_S:.0f} s; circuit states seen while stopped "
-          f"{ {k: sorted(v) for k, v in seen.items()} }, closed on both {closed_s:.1f} s after "
-          f"SIGCONT; "
+          f"{ {k: sorted(v) for k, v in seen.items()} }"
+          f"{' (gone: its lease lapsed, it rejoined closed)' if lapsed else ''}; closed on both "
+          f"routers {closed_s:.1f} s after SIGCONT; "
           f"longest request {worst:.2f} s (deadline {deadline_s:.0f} s), longest pause between "
           f"two messages {worst_gap:.2f} s")
     assert all(o.seconds < deadline_s for o in results + after), worst
