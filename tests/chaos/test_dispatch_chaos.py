@@ -28,7 +28,7 @@ import grpc
 import pytest
 import redis
 
-from llmmesh import queue
+from llmmesh import queue, streamauth
 from llmmesh.launcher import Mesh
 from tests.chaos.chaoskit import SCALE, report, send
 from tests.e2e.meshkit import wait_until, worker_load
@@ -100,6 +100,9 @@ def _ensure(mesh, *names: str) -> None:
 
 # -- Q3 ---------------------------------------------------------------------------------------
 
+KEY = streamauth.new_stream_key()
+
+
 def _poison(cls: str, request_id: str, **overrides) -> dict[str, str]:
     body = {"request_id": request_id, "tenant_id": "acme", "request_class": cls, "model": TINY,
             "prompt_token_ids": [104, 101, 108, 108, 111], "cache_salt": "acme",
@@ -134,7 +137,7 @@ def test_q3_router_killed_holding_entries_and_poison_entries_dead_lettered(mesh)
                        for c in r.xpending(stream, queue.ROUTER_GROUP)["consumers"])
         wait_until(router_holds_entries, 60, interval_s=0.01, what="router to hold entries")
         malformed = r.xadd(stream, _poison("interactive", "acme/q3poison-0/x",
-                                           prompt_token_ids=5, sampling=[]))
+                                           prompt_token_ids=5, sampling=[], stream_key=KEY))
         failing = r.xadd(stream, _poison("interactive", "acme/q3poison-1/x"))
         killed = time.monotonic()
         mesh.stop_one("router", signal.SIGKILL)
@@ -163,8 +166,10 @@ def test_q3_router_killed_holding_entries_and_poison_entries_dead_lettered(mesh)
     assert sum(took_over.values()) >= 3, took_over   # the killed router held 3 or more
     # Dead-lettered by the first live router that read it: the killed one may have read it.
     assert int(bad["deliveries"]) <= 2, bad
+    # Its client is told, in an event its gateway accepts (signed with the router's key).
     told = r.xrange(queue.result_stream("acme/q3poison-0/x"))
-    assert told and queue.decode_event(told[-1][1])["kind"] == "error", told
+    check = streamauth.StreamCheck(KEY, "acme/q3poison-0/x")
+    assert told and (check.accept(told[-1][1]) or {}).get("kind") == "error", told
     # Three deliveries ran and failed; the fourth is not run but dead-lettered.
     assert int(fail["deliveries"]) == queue.MAX_DELIVERIES + 1, fail
     # Each of them logged by the router it failed on (the killed one may have died first).
