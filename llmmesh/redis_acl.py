@@ -6,8 +6,9 @@ nothing else — it cannot read the queues (whose entries carry each request's s
 prompt), write a bill into the billing stream, or touch admission's budgets. costd only reads
 (settlements and bills, for the reconciler). The gateway and routers own the queue protocol and
 get every llmmesh key, without the dangerous commands (FLUSHALL, CONFIG, DEBUG, KEYS...). The
-`admin` user (operators, `llmmesh reconcile`, the tests) may do anything. The default user is off:
-there is no password-only login.
+`admin` user (operators, `llmmesh reconcile`, the tests) may do anything. Nobody can log in as
+the default user (its password is random and kept nowhere; see ensure()): there is no
+anonymous or password-only login.
 
 `ensure(directory)` writes one password per role (`redis-<role>.password`, 0600) and the ACL file
 Redis loads (`redis-users.acl`, holding only SHA-256 digests of the passwords, so it may be
@@ -66,7 +67,12 @@ def ensure(directory: str | Path, rotate: bool = False) -> Path:
     built from them; returns the ACL file's path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    lines = ["user default off"]
+    # The default user is what Redis replays its append-only file as (without logging in), and
+    # Redis 7 re-checks a replayed MULTI/EXEC against it: with the default user off, every
+    # transaction in the file is dropped on restart (redis/redis#14541) — the finals and bills
+    # written together. So it keeps every permission, behind a random password thrown away
+    # here: nobody can log in as it, the loader needs no login.
+    lines = [f"user default on #{hashlib.sha256(secrets.token_bytes(32)).hexdigest()} ~* &* +@all"]
     for role in ROLES:
         path = password_path(directory, role)
         if rotate or not path.exists():

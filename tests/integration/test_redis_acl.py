@@ -4,6 +4,7 @@ anonymous login exists; passwords never reach a command line or the world-readab
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import time
 
@@ -89,7 +90,7 @@ def test_costd_only_reads(private_redis):
 def test_no_anonymous_or_password_only_login_and_no_password_in_the_open(private_redis):
     port = private_redis.procs["redis"].address.rsplit(":", 1)[1]
     with pytest.raises((AuthenticationError, ResponseError)):
-        redis.Redis(port=int(port)).get("x")                       # the default user is off
+        redis.Redis(port=int(port)).get("x")                       # no login as the default user
     password = redis_acl.password_path(private_redis.redis_credentials, "admin").read_text().strip()
     with pytest.raises((AuthenticationError, ResponseError)):
         redis.Redis(port=int(port), password=password).get("x")   # a password alone is no user
@@ -120,3 +121,32 @@ def test_a_service_reads_its_password_from_the_credentials_directory(tmp_path):
     before = password
     redis_acl.ensure(tmp_path)                                    # kept across restarts
     assert redis_acl.password_path(tmp_path, "worker").read_text().strip() == before
+
+
+def test_a_transaction_a_role_wrote_survives_a_crash_and_a_restart_on_the_aof(private_redis):
+    """Redis replays its AOF as the default user and re-checks each MULTI/EXEC against it
+    (redis/redis#14541): with the default user off, a router's final + bill transaction was
+    silently dropped at restart (chaos Q1 found it: 21 unbilled tokens)."""
+    router = _as(private_redis, "router")
+    stream = queue.result_stream("acme/aof/1")
+    with router.pipeline(transaction=True) as pipe:
+        pipe.xadd(stream, queue.final_event("stop", {}))
+        pipe.xadd(BILLING_STREAM, {"d": "{}"})
+        pipe.execute()
+    time.sleep(1.5)                                       # appendfsync everysec
+    port = int(private_redis.procs["redis"].address.rsplit(":", 1)[1])
+    private_redis.stop_one("redis", signal.SIGKILL)
+    private_redis.start_redis(port)
+    admin = _as(private_redis, "admin")
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            admin.ping()
+            break
+        except (redis.ConnectionError, redis.BusyLoadingError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    assert admin.xlen(stream) == 1 and admin.xlen(BILLING_STREAM) >= 1
+    log = open(os.path.join(private_redis.log_dir, "redis.log")).read()
+    assert "NOPERM" not in log
