@@ -90,6 +90,9 @@ async def main() -> None:
     # pool holds --max-streams of them plus room for admission, batch jobs and health.
     redis = aioredis.Redis.from_url(redis_acl.service_url(args.redis_url, "gateway"),
                                     decode_responses=True, socket_timeout=5.0,
+                                    # Bytes a writer put in a stream that are not UTF-8 must
+                                    # not fail the read (streamauth refuses the entry).
+                                    encoding_errors="replace",
                                     socket_connect_timeout=2.0, health_check_interval=10,
                                     max_connections=args.max_streams + 256)
     registry = CollectorRegistry()

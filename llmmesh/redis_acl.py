@@ -1,10 +1,12 @@
 """Redis ACL users, one per service role, each allowed only what its role does.
 
-A worker runs model code and there are many of them: it may append to result streams (write,
-never read: llmmesh.streamauth signs what it writes), keep its lease and cache index, and
-nothing else — it cannot read the queues (whose entries carry each request's stream secret and
-prompt), write a bill into the billing stream, or touch admission's budgets. costd only reads
-(settlements and bills, for the reconciler). The gateway and routers own the queue protocol and
+A worker runs model code and there are many of them: it may XADD to result streams (never
+read, delete or expire one: llmmesh.streamauth signs what it writes) and keep leases and cache
+indexes (one user for every worker, so any worker's: the router checks that a lease's key
+names its worker), and nothing else — it cannot read the queues (whose entries carry each
+request's stream secret and prompt), write a bill into the billing stream, or touch admission's
+budgets. costd reads only the billing stream and the settlements (the reconciler); `keda` reads
+only queue depths (KEDA's scaler). The gateway and routers own the queue protocol and
 get every llmmesh key, without the dangerous commands (FLUSHALL, CONFIG, DEBUG, KEYS...). The
 `admin` user (operators, `llmmesh reconcile`, the tests) may do anything. Nobody can log in as
 the default user (its password is random and kept nowhere; see ensure()): there is no
@@ -31,14 +33,22 @@ from llmmesh.atomic_file import write_atomic
 CREDENTIALS_ENV = "LLMMESH_REDIS_CREDENTIALS"
 ACL_FILE = "redis-users.acl"
 
-_CONNECT = "+@connection"   # AUTH, HELLO, CLIENT SETINFO, PING, SELECT...
+# AUTH, HELLO, PING, SELECT, CLIENT SETINFO...; not CLIENT KILL / PAUSE / LIST (dangerous).
+_CONNECT = "+@connection -@dangerous"
 _OWNERS = "~llmmesh:* &llmmesh:* +@all -@dangerous"
 RULES: dict[str, str] = {
     "gateway": _OWNERS,
     "router": _OWNERS,
-    "worker": (f"%W~llmmesh:res:* ~llmmesh:worker:* ~llmmesh:cache:* -@all {_CONNECT} "
-               "+xadd +set +get +del +expire +sadd +smembers +multi +exec +discard"),
-    "costd": f"%R~llmmesh:* -@all {_CONNECT} +@read +time",
+    # Its lease and cache index (any worker's: one user for all workers), and, through a
+    # selector, XADD to result streams and nothing else there (no read, no DEL, no EXPIRE).
+    "worker": (f"~llmmesh:worker:* ~llmmesh:cache:* -@all {_CONNECT} "
+               "+set +get +del +expire +sadd +smembers +multi +exec +discard "
+               "(%W~llmmesh:res:* -@all +xadd)"),
+    # The reconciler: bills not yet shipped and admission's settlements, read-only. (KEDA
+    # reads queue depths as its own user.)
+    "costd": (f"%R~llmmesh:billing %R~llmmesh:settlements:* -@all {_CONNECT} "
+              "+@read +time +scan"),
+    "keda": f"%R~llmmesh:q:* -@all {_CONNECT} +xlen +xpending +xinfo",
     "admin": "~* &* +@all",
 }
 ROLES = tuple(RULES)

@@ -13,11 +13,13 @@ every key and relays a chunk only when
   worker that writes on is dropped once its successor wrote), and
 - it continues exactly where the completion stands (its index is the next one).
 
-The router reads the stream through the same check when it resumes a request, so it and the
-gateway agree on what was delivered. A forged chunk at an index can still make the real one
-wait for the next attempt (the entry id is taken): that is a denial of service by someone
-holding Redis write access, which Redis's ACL users (llmmesh.redis_acl) keep from workers'
-and strangers' reach; it never shows a client a token.
+The router reads the stream through the same check when it resumes a request and when a
+worker's attempt ends (it bills what the stream verifiably holds, not the count the worker
+reports), so it and the gateway agree on what was delivered. Whoever may XADD to result
+streams (a worker's Redis user may, to every one: llmmesh.redis_acl) can still take an entry
+id first — a chunk at or past the next index, or an automatic-id entry — and so fail that
+request for good (UNAVAILABLE after its attempts): a denial of service, never a token or an end
+shown to a client, never a bill for what the client did not get.
 
 Entries with no stream key (written by a gateway older than this check, mid rolling upgrade)
 are relayed unchecked, as before.
@@ -68,7 +70,7 @@ def signed(payload: str, key: bytes | None) -> dict[str, str]:
 
 
 def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else (value or "")
+    return value.decode(errors="replace") if isinstance(value, bytes) else (value or "")
 
 
 class StreamCheck:
@@ -87,6 +89,12 @@ class StreamCheck:
         self._router_key = router_key(stream_key) if stream_key else None
 
     def accept(self, fields: dict) -> dict[str, Any] | None:
+        try:
+            return self._accept(fields)
+        except Exception as exc:  # noqa: BLE001 - whatever a writer put there, never fatal here
+            return self._refuse(f"malformed event ({type(exc).__name__})")
+
+    def _accept(self, fields: dict) -> dict[str, Any] | None:
         payload = _text(fields.get("d") or fields.get(b"d"))
         try:
             event = json.loads(payload)
@@ -104,9 +112,10 @@ class StreamCheck:
                     return self._refuse(f"bad MAC for attempt {attempt}")
                 if attempt < self.attempt:
                     return self._refuse(f"attempt {attempt} was replaced by {self.attempt}")
-                self.attempt = attempt
             if event["index"] != self.next_index:
                 return self._refuse(f"index {event['index']} where {self.next_index} is next")
+            if self.stream_key:
+                self.attempt = attempt   # only an accepted chunk makes its attempt the current one
             self.next_index += len(event["ids"])
             return event
         if kind in ("final", "error"):
@@ -124,7 +133,8 @@ class StreamCheck:
     @staticmethod
     def _mac_ok(key: bytes, payload: str, fields: dict) -> bool:
         mac = _text(fields.get("m") or fields.get(b"m"))
-        return hmac.compare_digest(sign(key, payload), mac)
+        # compare_digest refuses non-ASCII text by raising: such a tag is simply wrong.
+        return len(mac) == _MAC_HEX and mac.isascii() and hmac.compare_digest(sign(key, payload), mac)
 
     def _refuse(self, why: str) -> None:
         self.refused += 1

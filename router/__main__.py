@@ -54,7 +54,7 @@ async def main() -> None:
     # redis-py's asyncio pool holds 100 connections by default and then refuses: a router
     # relays every in-flight request with its own Redis calls, so give it room.
     redis = aioredis.Redis.from_url(redis_acl.service_url(args.redis_url, "router"),
-                                    decode_responses=True,
+                                    decode_responses=True, encoding_errors="replace",
                                     socket_connect_timeout=2.0, health_check_interval=10,
                                     max_connections=2048)
     faults.configure(args.consumer)   # tests only: LLMMESH_TEST_ROUTER_DIE_AT

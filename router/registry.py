@@ -106,9 +106,20 @@ class WorkerRegistry:
         leases: dict[str, dict] = {}
         async for key in self.redis.scan_iter(match=f"{queue.WORKER_KEY_PREFIX}*", count=100):
             raw = await self.redis.get(key)
-            if raw:
+            if not raw:
+                continue
+            try:
                 info = json.loads(raw)
-                leases[info["worker_id"]] = info
+                ok = (isinstance(info, dict) and isinstance(info.get("address"), str)
+                      and info.get("worker_id") == key[len(queue.WORKER_KEY_PREFIX):])
+            except ValueError:
+                ok = False
+            if not ok:
+                # Malformed, or naming another worker than its key does (all workers share one
+                # Redis user, so one could try to take another's traffic): skipped, not fatal.
+                log.warning("lease %s skipped: malformed or not its own worker's", key)
+                continue
+            leases[info["worker_id"]] = info
         for worker_id in list(self.workers):
             if worker_id not in leases:
                 log.warning("worker %s lease expired; removing", worker_id)

@@ -130,6 +130,17 @@ async def sync_delivered(p: RequestProgress, redis: aioredis.Redis) -> None:
     apply_stream_state(p, delivered, end)
 
 
+async def _take_verified(p: RequestProgress, redis: aioredis.Redis, reported: int,
+                         worker_id: str) -> None:
+    delivered, _, _ = read_result_stream(
+        await redis.xrange(queue.result_stream(p.entry.request_id)), p.entry)
+    if len(delivered) != reported:
+        log.warning("request %s: worker %s reported %d tokens, its result stream holds %d; "
+                    "billing what the stream holds", p.entry.request_id, worker_id, reported,
+                    len(delivered))
+    p.delivered = delivered
+
+
 def worker_request(p: RequestProgress) -> worker_pb2.WorkerGenerateRequest:
     e, s = p.entry, p.entry.sampling
     sampling = common_pb2.SamplingParams(
@@ -184,7 +195,11 @@ async def run_attempt(p: RequestProgress, worker: WorkerHandle, redis: aioredis.
                                           list(msg.tokens.logprobs), attempt=attempt, key=key)
                 p.delivered.extend(ids)
             else:
-                p.delivered.extend(msg.final.token_ids)
+                if msg.final.token_ids:
+                    # The worker wrote these to the stream itself: bill what the stream
+                    # verifiably holds (signed, in order), not the count the worker reports.
+                    await _take_verified(p, redis, len(p.delivered) + len(msg.final.token_ids),
+                                         worker.worker_id)
                 u = msg.final.usage
                 p.prefill_device_s += u.prefill_device_seconds
                 p.decode_device_s += u.decode_device_seconds

@@ -59,6 +59,12 @@ def test_a_worker_writes_result_streams_and_its_lease_and_nothing_else(private_r
         "run a script": lambda: worker.eval("return 1", 0),
         "flush everything": lambda: worker.flushall(),
         "list every key": lambda: worker.keys("*"),
+        "delete a result stream": lambda: worker.delete(stream),
+        "expire a result stream": lambda: worker.expire(stream, 1),
+        "overwrite a result stream": lambda: worker.set(stream, "x"),
+        "list clients": lambda: worker.client_list(),
+        "kill clients": lambda: worker.client_kill_filter(_type="normal"),
+        "pause every client": lambda: worker.client_pause(1000),
     }.items():
         with pytest.raises(NoPermissionError):
             call()
@@ -79,12 +85,21 @@ def test_gateway_and_router_own_the_queue_protocol_without_the_dangerous_command
                 call()
 
 
-def test_costd_only_reads(private_redis):
+def test_costd_reads_bills_and_settlements_only_and_keda_queue_depths_only(private_redis):
     r = _as(private_redis, "costd")
     assert r.xrange(BILLING_STREAM) == []
+    r.zrangebyscore("llmmesh:settlements:{acme}", 0, "+inf")
     r.time()
+    for call in (lambda: r.xadd(BILLING_STREAM, {"d": "{}"}),
+                 lambda: r.xrange(queue.queue_stream("interactive")),   # prompts, stream secrets
+                 lambda: r.xrange(queue.result_stream("acme/r1/abc")),  # completions
+                 lambda: r.client_list()):
+        with pytest.raises(NoPermissionError):
+            call()
+    keda = _as(private_redis, "keda")
+    assert keda.xlen(queue.queue_stream("interactive")) >= 0
     with pytest.raises(NoPermissionError):
-        r.xadd(BILLING_STREAM, {"d": "{}"})
+        keda.xrange(queue.queue_stream("interactive"))
 
 
 def test_no_anonymous_or_password_only_login_and_no_password_in_the_open(private_redis):

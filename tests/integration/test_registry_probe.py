@@ -133,3 +133,22 @@ def test_a_half_open_probe_that_ends_in_a_typed_error_lets_the_next_request_prob
             await redis.aclose()
             await server.stop(0)
     asyncio.run(body())
+
+
+def test_a_malformed_lease_or_one_naming_another_worker_is_skipped_not_fatal(redis_server, serve_as):
+    """Workers share one Redis user, so one could write garbage into a lease or a lease naming
+    another worker (to take its traffic): the registry skips both and keeps the real worker."""
+    async def run():
+        worker, server, redis, registry = await _start(redis_server, serve_as)
+        try:
+            await redis.set(queue.worker_key("w2"), "{not json")
+            await redis.set(queue.worker_key("w3"), json.dumps(
+                {"worker_id": "w1", "address": "127.0.0.1:1", "max_inflight": 4, "models": []}))
+            await redis.set(queue.worker_key("w4"), json.dumps(["a", "list"]))
+            await registry.refresh()
+            return {w: h.address for w, h in registry.workers.items()}
+        finally:
+            await server.stop(0)
+            await redis.aclose()
+    workers = asyncio.run(run())
+    assert list(workers) == ["w1"] and workers["w1"] != "127.0.0.1:1"

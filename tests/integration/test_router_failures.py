@@ -413,3 +413,35 @@ def test_a_failing_workers_circuit_opens_survives_lease_refreshes_and_probes_lat
                       metadata=auth(DEMO_KEYS["acme"]), timeout=10)
     assert failing.calls >= 4                            # the half-open probe
     assert "circuit closed -> open" in open(f"{mesh.log_dir}/router.log").read()
+
+
+class OverclaimingWorker(FailingWorker):
+    """Appends 2 tokens to the result stream (signed, as real workers do), then reports 10 in
+    its final: a worker inflating a bill."""
+
+    def __init__(self, redis_url: str):
+        super().__init__()
+        self.redis_url = redis_url
+
+    def Generate(self, request, context):
+        self.calls += 1
+        r = redis.Redis.from_url(self.redis_url)
+        r.xadd(request.result_stream, queue.tokens_event(0, [11, 12], **_signer(request)),
+               id=queue.token_entry_id(0))
+        yield worker_pb2.WorkerGenerateResponse(final=worker_pb2.WorkerFinal(
+            finish_reason=common_pb2.FINISH_REASON_STOP, token_ids=list(range(11, 21)),
+            usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids))))
+
+
+def test_a_worker_reporting_more_tokens_than_it_wrote_is_billed_what_the_stream_holds(mesh):
+    worker = OverclaimingWorker(mesh.redis_url)
+    try:
+        worker.register(mesh.redis_url, "overclaiming")
+        done = _stub(mesh).Complete(gateway_pb2.CompleteRequest(request=chat("Hello?", 16)),
+                                    metadata=auth(DEMO_KEYS["acme"]), timeout=60)
+    finally:
+        worker.server.stop(0)
+    assert list(done.token_ids) == [11, 12]
+    assert done.final.usage.completion_tokens == 2       # what the router bills, not 10
+    assert "reported 10 tokens, its result stream holds 2" in open(
+        f"{mesh.log_dir}/router.log").read()

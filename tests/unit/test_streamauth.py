@@ -71,3 +71,22 @@ def test_an_entry_from_a_gateway_without_stream_keys_is_relayed_unchecked():
     assert check.accept(queue.tokens_event(0, [1]))["ids"] == [1]
     assert check.accept(queue.final_event("stop", {}))["kind"] == "final"
     assert check.accept(queue.tokens_event(5, [1])) is None  # order still holds
+
+
+def test_whatever_a_writer_puts_in_an_entry_is_dropped_never_raised():
+    """A worker may XADD anything: a non-ASCII or short tag, bytes that are not UTF-8, JSON
+    that is not an object, a chunk whose ids are not a list. Each is refused and counted."""
+    check = StreamCheck(KEY)
+    a = attempt_number(1, 0)
+    good = _chunk(0, [1], a)
+    for fields in ({"d": good["d"], "m": "é" * 32}, {"d": good["d"], "m": "ab"},
+                   {b"d": b"\xff\xfe{", b"m": b"\xff"}, {"d": "[1, 2]"}, {"d": "null"},
+                   {"d": json.dumps({"kind": "tokens", "index": 0, "ids": 5, "a": a})},
+                   {"d": json.dumps({"kind": "final"}), "m": 7}):
+        assert check.accept(fields) is None
+    assert check.refused == 7
+    assert check.accept(good)["ids"] == [1]
+    # A chunk refused for its index does not make its attempt the current one.
+    later = attempt_number(1, 1)
+    assert check.accept(_chunk(9, [2], later)) is None
+    assert check.accept(_chunk(1, [2], a)) is not None
