@@ -96,7 +96,11 @@ class MeshTarget:
 
     async def start(self) -> None:
         if self.mesh is not None:
-            await self.mesh.up(num_workers=self.num_workers)
+            try:
+                await self.mesh.up(num_workers=self.num_workers)
+            except BaseException:
+                self.mesh.down()   # a service that never came up leaves none of them running
+                raise
             self.gateway = self.mesh.procs["gateway"].address
             self.costd = self.mesh.procs["costd"].address
             self.worker_addresses = [p.address for n, p in self.mesh.procs.items()

@@ -81,6 +81,8 @@ class Mesh:
     redis_credentials: str = ""
 
     def __post_init__(self):
+        # Absolute: services run from the repository root, and redis-server from its `dir`.
+        self.var_dir = os.path.abspath(self.var_dir)
         os.makedirs(self.var_dir, exist_ok=True)
         self.log_dir = self.log_dir or os.path.join(self.var_dir, "logs")
         os.makedirs(self.log_dir, exist_ok=True)

@@ -165,3 +165,24 @@ def test_a_transaction_a_role_wrote_survives_a_crash_and_a_restart_on_the_aof(pr
     assert admin.xlen(stream) == 1 and admin.xlen(BILLING_STREAM) >= 1
     log = open(os.path.join(private_redis.log_dir, "redis.log")).read()
     assert "NOPERM" not in log
+
+
+def test_a_relative_var_dir_works(tmp_path, monkeypatch):
+    """redis-server enters its `dir` before it reads the ACL file: a relative path in its
+    config was looked up from there and Redis refused to start (make bench-overhead's var/...)."""
+    monkeypatch.chdir(tmp_path)
+    mesh = Mesh(var_dir="var/rel")
+    mesh.start_redis()
+    try:
+        client = redis.Redis.from_url(mesh.redis_url)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert client.ping()
+                break
+            except redis.ConnectionError:
+                assert mesh.procs["redis"].alive(), open("var/rel/logs/redis.log").read()[-500:]
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    finally:
+        mesh.stop_one("redis")
