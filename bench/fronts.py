@@ -30,7 +30,7 @@ import grpc
 import httpx
 import redis.asyncio as aioredis
 
-from llmmesh import queue
+from llmmesh import queue, streamauth
 from llmmesh.launcher import Mesh
 from llmmesh.models import DEFAULT_MODEL, resolve_model
 from llmmesh.tokenizer import Tokenizer
@@ -67,14 +67,19 @@ class FakeEngine:
         client_id = entry.request_id.split("/")[1]
         times = self.written.setdefault(client_id, [])
         results = queue.result_stream(entry.request_id)
+        # Signed as a router and its worker sign (llmmesh.streamauth), or the gateway drops it.
+        attempt = streamauth.attempt_number(1, 0)
+        key = streamauth.attempt_key(entry.stream_key, attempt) if entry.stream_key else None
         for i in range(self.tokens):
             if i:
                 await asyncio.sleep(self.pace_s)
             times.append(time.perf_counter())
-            await queue.append_tokens(self.redis, results, i, [self.token_id])
+            await queue.append_tokens(self.redis, results, i, [self.token_id], attempt=attempt,
+                                      key=key)
         usage = {"prompt_tokens": len(entry.prompt_token_ids), "cached_prompt_tokens": 0,
                  "completion_tokens": self.tokens}
-        await self.redis.xadd(results, queue.final_event("length", usage))
+        await self.redis.xadd(results, queue.final_event(
+            "length", usage, streamauth.router_key(entry.stream_key) if entry.stream_key else None))
         await self.redis.expire(results, 60)
         await self.redis.xack(stream, queue.ROUTER_GROUP, entry_id)
 
