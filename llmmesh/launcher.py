@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
+
 from llmmesh import certs, redis_acl
 from llmmesh.apikeys import DEMO_ADMIN_KEY, write_admin_key
 from llmmesh.atomic_file import write_atomic
@@ -134,8 +136,29 @@ class Mesh:
                                    f"127.0.0.1:{port}")
         self.redis_url = self.redis_url_for("admin")
         # For operators' tools on this machine (`llmmesh reconcile`): 0600, like the passwords.
-        write_atomic(os.path.join(self.redis_credentials, "admin.url"), [self.redis_url.encode()])
+        write_atomic(os.path.join(self.redis_credentials, redis_acl.ADMIN_URL_FILE),
+                     [self.redis_url.encode()])
         return self.redis_url
+
+    def wait_redis(self, timeout_s: float = 10.0) -> None:
+        """Until the private Redis answers (loading its append-only file counts as not yet);
+        a redis-server that exited meanwhile fails at once, naming its log."""
+        client = redis.Redis.from_url(self.redis_url)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    client.ping()
+                    return
+                except (redis.ConnectionError, redis.BusyLoadingError):
+                    if not self.procs["redis"].alive():
+                        raise RuntimeError("redis-server exited; see "
+                                           f"{os.path.join(self.log_dir, 'redis.log')}") from None
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+        finally:
+            client.close()
 
     def redis_url_for(self, role: str) -> str | None:
         """The URL a service of `role` gets: its own ACL user on the private Redis, or the URL

@@ -54,8 +54,10 @@ RULES: dict[str, str] = {
 ROLES = tuple(RULES)
 
 
-# `make up` leaves the admin user's URL here (0600), for operators' tools on this machine.
-LOCAL_ADMIN_URL = Path("var/redis-users/admin.url")
+# `make up` leaves the admin user's URL in its credentials directory (0600), for operators'
+# tools on this machine: var/redis-users/admin.url by default.
+ADMIN_URL_FILE = "admin.url"
+LOCAL_ADMIN_URL = Path("var/redis-users") / ADMIN_URL_FILE
 
 
 def local_admin_url(environ: Mapping[str, str] = os.environ) -> str:

@@ -123,17 +123,19 @@ def apply_stream_state(p: RequestProgress, delivered: list[int], end: dict | Non
         p.end_reason = FinishReason.LENGTH
 
 
+async def _read_stream(p: RequestProgress, redis: aioredis.Redis):
+    return read_result_stream(await redis.xrange(queue.result_stream(p.entry.request_id)), p.entry)
+
+
 async def sync_delivered(p: RequestProgress, redis: aioredis.Redis) -> None:
     """After an attempt broke off: what its worker appended to the result stream itself."""
-    delivered, _, end = read_result_stream(await redis.xrange(queue.result_stream(p.entry.request_id)),
-                                           p.entry)
+    delivered, _, end = await _read_stream(p, redis)
     apply_stream_state(p, delivered, end)
 
 
 async def _take_verified(p: RequestProgress, redis: aioredis.Redis, reported: int,
                          worker_id: str) -> None:
-    delivered, _, _ = read_result_stream(
-        await redis.xrange(queue.result_stream(p.entry.request_id)), p.entry)
+    delivered, _, _ = await _read_stream(p, redis)
     if len(delivered) != reported:
         log.warning("request %s: worker %s reported %d tokens, its result stream holds %d; "
                     "billing what the stream holds", p.entry.request_id, worker_id, reported,

@@ -15,11 +15,14 @@ error is never told its prompt's size). A row goes to $LLMMESH_CHAOS_REPORT unde
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
@@ -31,6 +34,40 @@ from tests.e2e.meshkit import DEMO_KEYS, auth, chat, wait_until
 
 SCALE = int(os.environ.get("LLMMESH_CHAOS_SCALE", "1"))   # make chaos: 5
 TENANTS = ("acme", "globex")
+# Routers that take a stopped one's entries over within seconds (the default waits 15 s).
+ROUTER_ARGS = ["--claim-idle-ms", "2000", "--heartbeat-s", "0.5"]
+TINY = "tiny-llama"
+STEP_DELAY_ENV = "LLMMESH_TEST_STEP_DELAY_MS"   # workers/__main__.py: every forward pass slower
+
+
+def tiny_catalog(var: Path, seed: int, kv_cache_mib: int) -> str:
+    """A models file serving only a Llama GGUF generated here (tests/tiny_gguf.py: 2 layers, 64
+    wide), for scenarios about the mesh, not the model; returns its path."""
+    from tests.tiny_gguf import write_tiny_llama
+    tiny = write_tiny_llama(str(var / "tiny.gguf"), hidden=64, layers=2, seed=seed)
+    catalog = var / "models.toml"
+    catalog.write_text(f'default = "{TINY}"\n[models.{TINY}]\nsource = "{tiny}"\n'
+                       f'quantization = "fp32"\nkv_cache_mib = {kv_cache_mib}\npinned = true\n')
+    return str(catalog)
+
+
+@contextlib.contextmanager
+def chaos_mesh(var, *, workers: int, routers: int = 2, gateways: int = 1,
+               worker_args: list[str] | None = None, gateway_args: list[str] | None = None,
+               router_args: list[str] = ROUTER_ARGS, env: dict[str, str] | None = None):
+    """A mesh up for a scenario (extra environment for every service), down afterwards."""
+    from llmmesh.launcher import Mesh
+    m = Mesh(var_dir=str(var), worker_args=list(worker_args or ["--max-num-seqs", "8"]),
+             gateway_args=list(gateway_args or []), router_args=list(router_args))
+    m.env.update(env or {})
+    try:
+        asyncio.run(m.up(num_workers=workers, num_routers=routers, timeout_s=240))
+        for i in range(1, gateways):
+            m.start_service(f"gateway{i}", "gateway", m.gateway_args)
+            asyncio.run(m.wait_ready([f"gateway{i}"], 120))
+        yield m
+    finally:
+        m.down()
 
 
 @dataclass

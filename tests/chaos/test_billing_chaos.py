@@ -13,8 +13,7 @@ import pytest
 import redis
 
 from llmmesh import queue
-from llmmesh.launcher import Mesh
-from tests.chaos.chaoskit import SCALE, report, send
+from tests.chaos.chaoskit import SCALE, chaos_mesh, report, send
 from tests.e2e.meshkit import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -22,13 +21,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 @pytest.fixture
 def mesh(tmp_path):
-    m = Mesh(var_dir=str(tmp_path), worker_args=["--max-num-seqs", "8"],
-             router_args=["--claim-idle-ms", "2000", "--heartbeat-s", "0.5"])
-    try:
-        asyncio.run(m.up(num_workers=1, num_routers=2, timeout_s=240))
+    with chaos_mesh(tmp_path, workers=1) as m:
         yield m
-    finally:
-        m.down()
 
 
 def test_costd_down_while_requests_complete_bills_arrive_after(mesh):

@@ -12,27 +12,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from llmmesh.launcher import Mesh
 from router import faults
-from tests.chaos.chaoskit import SCALE, report, send
+from tests.chaos.chaoskit import ROUTER_ARGS, SCALE, chaos_mesh, report, send
 from tests.e2e.meshkit import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 POINTS = ("billed", "before-ship", "shipped")
-ROUTER_ARGS = ["--claim-idle-ms", "2000", "--heartbeat-s", "0.5"]
 
 
 @pytest.fixture
 def mesh(tmp_path):
-    m = Mesh(var_dir=str(tmp_path), worker_args=["--max-num-seqs", "8"], router_args=ROUTER_ARGS)
     # The router named "router" dies at each point once (the 2nd time it gets there).
-    m.env[faults.ENV] = ",".join(f"router:{p}:2" for p in POINTS)
-    m.env[faults.DIR_ENV] = str(tmp_path)
-    try:
-        asyncio.run(m.up(num_workers=1, num_routers=2, timeout_s=240))
+    env = {faults.ENV: ",".join(f"router:{p}:2" for p in POINTS), faults.DIR_ENV: str(tmp_path)}
+    with chaos_mesh(tmp_path, workers=1, env=env) as m:
         yield m
-    finally:
-        m.down()
 
 
 def test_b2_a_router_killed_at_each_point_between_final_and_ledger(mesh):

@@ -29,15 +29,12 @@ import pytest
 import redis
 
 from llmmesh import queue, streamauth
-from llmmesh.launcher import Mesh
-from tests.chaos.chaoskit import SCALE, report, send
+from tests.chaos.chaoskit import (SCALE, STEP_DELAY_ENV, TINY, chaos_mesh, report, send,
+                                  tiny_catalog)
 from tests.e2e.meshkit import wait_until, worker_load
-from tests.tiny_gguf import write_tiny_llama
 
 pytestmark = [pytest.mark.e2e]
-TINY = "tiny-llama"
 F2_DEADLINE_S = 0.3
-STEP_DELAY_ENV = "LLMMESH_TEST_STEP_DELAY_MS"   # workers/__main__.py
 MESH_STEP_DELAY_MS = 10
 F2_STEP_DELAY_MS = 120     # a slow device: 2 tokens at most within F2's deadline
 F6_STOP_S = 20.0 if SCALE >= 5 else 6.0
@@ -46,23 +43,14 @@ F6_STOP_S = 20.0 if SCALE >= 5 else 6.0
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
     var = tmp_path_factory.mktemp("dispatch-chaos")
-    tiny = write_tiny_llama(str(var / "tiny.gguf"), hidden=64, layers=2, seed=3)
-    catalog = var / "models.toml"
-    catalog.write_text(f'default = "{TINY}"\n[models.{TINY}]\nsource = "{tiny}"\n'
-                       f'quantization = "fp32"\nkv_cache_mib = 16\npinned = true\n')
-    m = Mesh(var_dir=str(var), worker_args=["--catalog", str(catalog), "--max-num-seqs", "8"],
-             gateway_args=["--catalog", str(catalog)],
-             router_args=["--claim-idle-ms", "2000", "--heartbeat-s", "0.5"])
+    catalog = tiny_catalog(var, seed=3, kv_cache_mib=16)
     # Unpaced, the tiny model ends a request before a SIGSTOP can catch it on its worker (F6
     # never saw 2 running); 10 ms a step keeps a 96-token request there for about a second.
-    m.env[STEP_DELAY_ENV] = str(MESH_STEP_DELAY_MS)
-    try:
-        asyncio.run(m.up(num_workers=2, num_routers=2, timeout_s=240))
-        m.start_service("gateway1", "gateway", m.gateway_args)
-        asyncio.run(m.wait_ready(["gateway1"], 120))
+    with chaos_mesh(var, workers=2, gateways=2,
+                    worker_args=["--catalog", catalog, "--max-num-seqs", "8"],
+                    gateway_args=["--catalog", catalog],
+                    env={STEP_DELAY_ENV: str(MESH_STEP_DELAY_MS)}) as m:
         yield m
-    finally:
-        m.down()
 
 
 def _redis(mesh) -> redis.Redis:

@@ -21,8 +21,7 @@ import pytest
 import redis
 
 from llmmesh import queue
-from llmmesh.launcher import Mesh
-from tests.chaos.chaoskit import SCALE, generate, health, report, send
+from tests.chaos.chaoskit import SCALE, chaos_mesh, generate, health, report, send
 from tests.e2e.meshkit import wait_until, worker_load
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -31,16 +30,8 @@ FAIL_AFTER_STEPS = 10          # F7: the faulty worker's forward passes raise af
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    m = Mesh(var_dir=str(tmp_path_factory.mktemp("fault-chaos")),
-             worker_args=["--max-num-seqs", "8"],
-             router_args=["--claim-idle-ms", "2000", "--heartbeat-s", "0.5"])
-    try:
-        asyncio.run(m.up(num_workers=2, num_routers=2, timeout_s=240))
-        m.start_service("gateway1", "gateway", m.gateway_args)
-        asyncio.run(m.wait_ready(["gateway1"], 120))
+    with chaos_mesh(tmp_path_factory.mktemp("fault-chaos"), workers=2, gateways=2) as m:
         yield m
-    finally:
-        m.down()
 
 
 def _start_worker(mesh, name: str, env: dict | None = None) -> None:

@@ -27,14 +27,12 @@ import pytest
 import redis
 
 from llmmesh import queue
-from llmmesh.launcher import Mesh
 from llmmesh.v1 import gateway_pb2_grpc
-from tests.chaos.chaoskit import SCALE, TENANTS, Outcome, report
+from tests.chaos.chaoskit import (SCALE, STEP_DELAY_ENV, TENANTS, Outcome, chaos_mesh, report,
+                                  tiny_catalog)
 from tests.e2e.meshkit import DEMO_KEYS, auth, chat
-from tests.tiny_gguf import write_tiny_llama
 
 pytestmark = [pytest.mark.e2e]
-TINY = "tiny-llama"
 MAX_QUEUE_LEN = 32
 L1_S = 120.0 if SCALE >= 5 else 20.0
 L2_S = 60.0 if SCALE >= 5 else 8.0
@@ -46,21 +44,15 @@ CHANNELS = 16   # connections, as many clients would have (a connection carries 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
     var = tmp_path_factory.mktemp("load-chaos")
-    tiny = write_tiny_llama(str(var / "tiny.gguf"), hidden=64, layers=2, seed=5)
-    catalog = var / "models.toml"
-    catalog.write_text(f'default = "{TINY}"\n[models.{TINY}]\nsource = "{tiny}"\n'
-                       f'quantization = "fp32"\nkv_cache_mib = 32\npinned = true\n')
-    m = Mesh(var_dir=str(var), worker_args=["--catalog", str(catalog), "--max-num-seqs", "16"],
-             gateway_args=["--catalog", str(catalog), "--max-queue-len", str(MAX_QUEUE_LEN)])
+    catalog = tiny_catalog(var, seed=5, kv_cache_mib=32)
     # The worker's capacity sets the mesh's, as a real device's does: each forward pass takes
     # STEP_DELAY_MS more (workers/__main__.py), so 5x capacity is 5x what the worker can run,
     # not 5x what the gateway and the load generator can push through two cores.
-    m.env["LLMMESH_TEST_STEP_DELAY_MS"] = str(STEP_DELAY_MS)
-    try:
-        asyncio.run(m.up(num_workers=1, num_routers=1, timeout_s=240))
+    with chaos_mesh(var, workers=1, routers=1, router_args=[],
+                    worker_args=["--catalog", catalog, "--max-num-seqs", "16"],
+                    gateway_args=["--catalog", catalog, "--max-queue-len", str(MAX_QUEUE_LEN)],
+                    env={STEP_DELAY_ENV: str(STEP_DELAY_MS)}) as m:
         yield m
-    finally:
-        m.down()
 
 
 class Client:

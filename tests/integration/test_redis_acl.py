@@ -21,16 +21,7 @@ from llmmesh.launcher import Mesh
 def private_redis(tmp_path_factory):
     mesh = Mesh(var_dir=str(tmp_path_factory.mktemp("acl")))
     mesh.start_redis()
-    client = redis.Redis.from_url(mesh.redis_url)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    mesh.wait_redis()
     try:
         yield mesh
     finally:
@@ -152,16 +143,8 @@ def test_a_transaction_a_role_wrote_survives_a_crash_and_a_restart_on_the_aof(pr
     port = int(private_redis.procs["redis"].address.rsplit(":", 1)[1])
     private_redis.stop_one("redis", signal.SIGKILL)
     private_redis.start_redis(port)
+    private_redis.wait_redis()
     admin = _as(private_redis, "admin")
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            admin.ping()
-            break
-        except (redis.ConnectionError, redis.BusyLoadingError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
     assert admin.xlen(stream) == 1 and admin.xlen(BILLING_STREAM) >= 1
     log = open(os.path.join(private_redis.log_dir, "redis.log")).read()
     assert "NOPERM" not in log
@@ -174,15 +157,7 @@ def test_a_relative_var_dir_works(tmp_path, monkeypatch):
     mesh = Mesh(var_dir="var/rel")
     mesh.start_redis()
     try:
-        client = redis.Redis.from_url(mesh.redis_url)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                assert client.ping()
-                break
-            except redis.ConnectionError:
-                assert mesh.procs["redis"].alive(), open("var/rel/logs/redis.log").read()[-500:]
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+        mesh.wait_redis()   # raises naming the log if redis-server exited
+        assert redis.Redis.from_url(mesh.redis_url).ping()
     finally:
         mesh.stop_one("redis")
