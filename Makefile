@@ -70,4 +70,6 @@ chaos: venv
 	   echo "Counts from client records against the ledger (real model; costd and router scenarios: 1 worker, 2 routers; F5-Q2: 2 gateways, 2 routers, 2 workers)."; echo; \
 	   echo "| scenario | sent | completed | typed errors | lost | double-billed | unbilled tokens |"; \
 	   echo "|---|---|---|---|---|---|---|"; } > $(CHAOS_MD)
-	LLMMESH_CHAOS_SCALE=5 LLMMESH_CHAOS_REPORT=$(abspath $(CHAOS_MD)) $(PY) -m pytest -q -s -ra tests/chaos
+	@rm -f $(CHAOS_MD).notes
+	LLMMESH_CHAOS_SCALE=5 LLMMESH_CHAOS_REPORT=$(abspath $(CHAOS_MD)) $(PY) -m pytest -q -s -ra tests/chaos; \
+	  status=$$?; { echo; cat $(CHAOS_MD).notes 2>/dev/null; } >> $(CHAOS_MD); rm -f $(CHAOS_MD).notes; exit $$status

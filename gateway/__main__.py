@@ -63,6 +63,11 @@ def _args() -> argparse.Namespace:
     p.add_argument("--idle-connection-s", type=float,
                    default=float(env("LLMMESH_GATEWAY_IDLE_CONNECTION_S", "300")),
                    help="close a client connection with no call for this long")
+    p.add_argument("--interactive-max-wait-ms", type=float,
+                   default=float(env("LLMMESH_GATEWAY_INTERACTIVE_MAX_WAIT_MS", "0")),
+                   help="refuse interactive requests (RESOURCE_EXHAUSTED with a retry delay) while "
+                        "the queue would make them wait longer than this for a seat, from the "
+                        "routers' drain reports; 0: only --max-queue-len bounds the queue")
     metrics.add_arguments(p)
     args = p.parse_args()
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -101,7 +106,8 @@ async def main() -> None:
                                               max_streams_per_tenant=args.max_streams_per_tenant,
                                               max_streams=args.max_streams,
                                               idle_stream_s=args.idle_stream_s,
-                                              max_queue_len=args.max_queue_len),
+                                              max_queue_len=args.max_queue_len,
+                                              interactive_max_wait_s=args.interactive_max_wait_ms / 1000),
                         tracer, GatewayMetrics(registry))
     metrics.start(args, registry)
     try:
@@ -112,8 +118,11 @@ async def main() -> None:
     servicer = GatewayServicer(frontend, tenants, models, models.default,
                                BatchJobs(redis, frontend))
 
-    supervisor = Supervisor()   # no loops of its own: health follows Redis, its queue store
+    supervisor = Supervisor()   # health follows Redis, its queue store
     supervisor.add_check("redis", redis_check(redis))
+    supervisor.start("epoch", frontend.losses.watch)
+    if frontend.config.interactive_max_wait_s:
+        supervisor.start("drain", frontend.drain.run)
     tls = (args.tls_cert, args.tls_key) if args.tls_cert else None
 
     # The OpenAI-compatible door, in this event loop: the same servicer's tenants, models,
@@ -128,6 +137,7 @@ async def main() -> None:
                                           http.scheme, address)
 
     async def close():
+        await supervisor.stop()
         if http is not None:
             await http.stop()
         await redis.aclose()

@@ -13,15 +13,18 @@ import redis.asyncio as aioredis
 from opentelemetry import trace
 from redis.exceptions import RedisError
 
+from gateway.losses import LossKeeper
 from gateway.tenants import Tenant
 from gateway.textstream import TextStream
 from gateway.validation import ValidRequest
 from llmmesh import queue, streamauth, telemetry, vocab
+from llmmesh.drain import DrainView
 from llmmesh.admission import ALREADY_USED, QUEUE_FULL, REFUSALS, Admission, Reservation
 from llmmesh.admission import keys as admission_keys
 from llmmesh.errors import (AlreadyExists, DeadlineExceeded, InvalidArgument, MeshError,
                             ResourceExhausted, Unavailable, error_from_code)
 from llmmesh.prefix_hash import block_hashes, cache_salt
+from llmmesh.vocab import RequestClass
 
 log = logging.getLogger("gateway.frontend")
 
@@ -48,12 +51,17 @@ class FrontendConfig:
     # A call that got no token or end for this long ends (DEADLINE_EXCEEDED, the request
     # cancelled), with or without a client deadline: no stream waits for ever; 0: never.
     idle_stream_s: float = 900.0
+    # Interactive requests are refused while the queue would make them wait longer than this
+    # for a seat (llmmesh.drain: the routers' drain reports); 0: the entry bound alone.
+    interactive_max_wait_s: float = 0.0
 
     def __post_init__(self):
         if self.block_size <= 0 or self.max_queue_len <= 0:
             raise ValueError("block_size and max_queue_len must be positive")
-        if self.max_streams_per_tenant < 0 or self.max_streams < 0 or self.idle_stream_s < 0:
-            raise ValueError("max_streams_per_tenant, max_streams and idle_stream_s must be >= 0")
+        if (self.max_streams_per_tenant < 0 or self.max_streams < 0 or self.idle_stream_s < 0
+                or self.interactive_max_wait_s < 0):
+            raise ValueError("max_streams_per_tenant, max_streams, idle_stream_s and "
+                             "interactive_max_wait_s must be >= 0")
 
 
 @dataclass(slots=True)
@@ -90,6 +98,8 @@ class Frontend:
         self._open_streams: dict[str, int] = {}   # tenant id -> calls open on this gateway
         self._num_open = 0
         self._cancels: set[asyncio.Task] = set()   # cancels waiting for Redis to come back
+        self.losses = LossKeeper(redis)            # bills, should Redis lose its data
+        self.drain = DrainView(redis)              # read by its loop when a wait bound is set
         host, _, port = config.server_address.rpartition(":")
         self._server = ({vocab.SERVER_ADDRESS: host, vocab.SERVER_PORT: int(port)}
                         if port.isdigit() else {})
@@ -176,8 +186,7 @@ class Frontend:
                 if announce:
                     yield Admitted(entry.request_id, request_class)
                 claim = queue.claim_key(tenant.tenant_id, req.request_id)
-                async for out in self._relay(req, entry.request_id, request_class, deadline_unix_ns,
-                                             claim, entry.stream_key):
+                async for out in self._relay(req, entry, deadline_unix_ns, claim):
                     if isinstance(out, FinalOut):
                         ended = True
                         span.set_attributes({
@@ -229,10 +238,11 @@ class Frontend:
         budget_key = admission_keys(tenant.tenant_id, period)[3] if plan.token_budget else ""
         # The entry carries its reservation, so whoever ends the request settles it.
         entry.reservation = Reservation(tenant.tenant_id, reservation_id, need, budget_key).to_dict()
+        max_len, wait_bound = self._queue_bound(entry.request_class)
         code, retry_s = await self.admission.admit_and_enqueue(
             claim_key=queue.claim_key(tenant.tenant_id, req.request_id), claim_value=entry.request_id,
             claim_ttl_s=queue.RESULT_TTL_S, stream=queue.queue_stream(entry.request_class),
-            max_len=self.config.max_queue_len, fields=entry.encode(),
+            max_len=max_len, fields=entry.encode(),
             tenant_id=tenant.tenant_id, request_id=reservation_id,
             rpm=plan.requests_per_minute, tpm=plan.tokens_per_minute,
             max_concurrent=plan.max_concurrent, budget=plan.token_budget, period=period,
@@ -241,10 +251,28 @@ class Frontend:
             self.metrics.admission(tenant.tenant_id, entry.request_class, code)
         if code == ALREADY_USED:
             raise AlreadyExists(f"request_id {req.request_id!r} was already used")
+        if code == QUEUE_FULL and wait_bound:
+            wait_ms = self.config.interactive_max_wait_s * 1000
+            raise ResourceExhausted(
+                f"{entry.request_class} queue would make this request wait over {wait_ms:.0f} ms "
+                "for a seat (the gateway's --interactive-max-wait-ms); retry shortly, or send it "
+                "as batch work", retry_after_s=max(0.05, self.config.interactive_max_wait_s))
         if code == QUEUE_FULL:
             raise ResourceExhausted(f"{entry.request_class} queue is full", retry_after_s=retry_s)
         if code:
             raise ResourceExhausted(f"tenant {tenant.tenant_id}: {REFUSALS[code]} reached", retry_s)
+
+    def _queue_bound(self, request_class: str) -> tuple[int, bool]:
+        """(entries the class's stream may hold for a new one to be admitted, whether the wait
+        bound is what sets it)."""
+        max_len, max_wait_s = self.config.max_queue_len, self.config.interactive_max_wait_s
+        if not max_wait_s or request_class != RequestClass.INTERACTIVE:
+            return max_len, False
+        drain = self.drain.current(request_class)
+        if drain is None:   # no fresh router report: nothing to estimate the wait from
+            return max_len, False
+        bound = max(1, drain.bound(max_wait_s))
+        return min(max_len, bound), bound < max_len
 
     def build_entry(self, tenant: Tenant, req: ValidRequest, request_class: str,
                deadline_unix_ns: int) -> queue.QueueEntry:
@@ -260,15 +288,18 @@ class Frontend:
             traceparent=telemetry.inject_traceparent(), operation=req.operation,
             stream_key=streamauth.new_stream_key())
 
-    async def _relay(self, req: ValidRequest, request_id: str, request_class: str,
-                     deadline_unix_ns: int, claim: str, stream_key: str
-                     ) -> AsyncIterator[TokensOut | FinalOut]:
+    async def _relay(self, req: ValidRequest, entry: queue.QueueEntry, deadline_unix_ns: int,
+                     claim: str) -> AsyncIterator[TokensOut | FinalOut]:
+        request_id, request_class = entry.request_id, entry.request_class
         detok = TextStream(req.model.tokenizer, req.sampling.get("stop"))
         # Only what the request's current attempt and its router signed reaches the client.
-        check = streamauth.StreamCheck(stream_key, request_id)
+        check = streamauth.StreamCheck(entry.stream_key, request_id)
         stream, last_id, finished, next_index = queue.result_stream(request_id), "0-0", False, 0
         task = asyncio.current_task()
         outage_since = None
+        # A wipe seen by the epoch watcher but not by this call (its connection survived, or
+        # redis-py retried on a new one): checked like an outage.
+        generation = self.losses.epoch.generation
         idle_s = self.config.idle_stream_s
         last_event = time.monotonic()
         try:
@@ -281,9 +312,12 @@ class Frontend:
                         "was cancelled: retry, or with batch work use a batch job")
                 try:
                     reply = await self.redis.xread({stream: last_id}, count=64, block=_POLL_BLOCK_MS)
-                    if outage_since is not None:
-                        await self._check_survived(request_id, claim, outage_since)
-                        outage_since = None
+                    if outage_since is not None or generation != self.losses.epoch.generation:
+                        if not await self._survived(request_id, claim, outage_since):
+                            await self.losses.bill_lost(entry, next_index)
+                            raise Unavailable("the queue store lost this request (it restarted "
+                                              "without its data); retry")
+                        outage_since, generation = None, self.losses.epoch.generation
                 except RedisError:
                     outage_since = outage_since or time.monotonic()
                     if time.monotonic() - outage_since > _OUTAGE_GRACE_S:
@@ -316,6 +350,7 @@ class Frontend:
                             tail = detok.flush()
                             if tail:
                                 yield TokensOut(next_index, [], tail)
+                            self.losses.finished(request_id, event.get("bill"))
                             yield FinalOut(req.request_id, request_class,
                                            event["finish_reason"], event["usage"])
                             return
@@ -326,16 +361,17 @@ class Frontend:
             if not finished:
                 await self._cancel(request_id)
 
-    async def _check_survived(self, request_id: str, claim: str, outage_since: float) -> None:
+    async def _survived(self, request_id: str, claim: str, outage_since: float | None) -> bool:
         """After an outage: Redis restarted without its data if the request's id claim (written
-        with its queue entry) is gone. Then nobody will ever run it: UNAVAILABLE now."""
+        with its queue entry) is gone. Then nobody will ever run or end it."""
         if await self.redis.get(claim) == request_id:
-            log.info("request %s: Redis back after %.1f s; relaying on", request_id,
-                     time.monotonic() - outage_since)
-            return
+            if outage_since is not None:
+                log.info("request %s: Redis back after %.1f s; relaying on", request_id,
+                         time.monotonic() - outage_since)
+            return True
         log.error("request %s: lost with Redis's data (it restarted empty); client told "
                   "UNAVAILABLE", request_id)
-        raise Unavailable("the queue store lost this request (it restarted without its data); retry")
+        return False
 
     async def _cancel(self, request_id: str) -> None:
         # Runs while the client call is being torn down: never let it raise.

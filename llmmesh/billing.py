@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import logging
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +56,66 @@ def record_attributes(*, request_id: str, tenant_id: str, model: str, request_cl
         vocab.QUEUE_S: float(usage.get("queue_s", 0.0)),
         vocab.DEVICE_TYPE: device_type, vocab.WORKER_ID: ",".join(worker_ids),
         vocab.FINISH_REASONS: [finish_reason]}
+
+
+def lost_request_record(*, request_id: str, tenant_id: str, model: str, request_class: str,
+                        operation: str, num_prompt_tokens: int, num_delivered_tokens: int,
+                        enqueued_unix_ns: int) -> dict[str, str]:
+    """The bill its gateway writes for a request Redis lost with its data: the tokens that
+    reached the client (the only ones anybody can still count), no device time (unknown: it
+    falls into idle capacity), ended in an error like every request its router ends early."""
+    usage = {"prompt_tokens": num_prompt_tokens, "cached_prompt_tokens": 0,
+             "completion_tokens": num_delivered_tokens, "prefill_device_s": 0.0,
+             "decode_device_s": 0.0}
+    now = time.time_ns()
+    return encode_record(record_attributes(
+        request_id=request_id, tenant_id=tenant_id, model=model, request_class=request_class,
+        usage=usage, finish_reason="error", device_type="", worker_ids=[], operation=operation),
+        start_unix_ns=enqueued_unix_ns or now, end_unix_ns=now)
+
+
+class RecentBills:
+    """Bills this process saw written lately, to write again if Redis loses its data.
+
+    A bill waits in `llmmesh:billing` until a shipper has costd's answer: a Redis that comes back
+    empty (no append-only file, or a new one) takes the unshipped ones with it. The gateway keeps
+    the bill each final carries (the router puts it there), the router those of requests no
+    gateway relays (batch-job items); after a wipe (llmmesh.epoch) each writes them again, and
+    the ledger, keyed by request id, keeps one. Bounded by count and age: bills older than
+    `max_age_s` were shipped unless costd was down that long as well.
+    """
+
+    def __init__(self, max_records: int = 100_000, max_age_s: float = 900.0) -> None:
+        self.max_records, self.max_age_s = max_records, max_age_s
+        self._bills: OrderedDict[str, tuple[float, dict[str, str]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._bills)
+
+    def remember(self, request_id: str, fields: dict[str, str]) -> None:
+        self._bills[request_id] = (time.monotonic(), fields)
+        self._bills.move_to_end(request_id)
+        self._expire()
+
+    def _expire(self) -> None:
+        oldest_kept = time.monotonic() - self.max_age_s
+        while self._bills and (len(self._bills) > self.max_records
+                               or next(iter(self._bills.values()))[0] < oldest_kept):
+            self._bills.popitem(last=False)
+
+    async def replay(self, redis: aioredis.Redis) -> int:
+        """Writes every remembered bill to the billing stream again; returns how many."""
+        self._expire()
+        bills = [fields for _, fields in self._bills.values()]
+        for start in range(0, len(bills), _PAGE):
+            async with redis.pipeline(transaction=False) as pipe:
+                for fields in bills[start:start + _PAGE]:
+                    pipe.xadd(BILLING_STREAM, fields)
+                await pipe.execute()
+        if bills:
+            log.warning("wrote %d recent bills again (Redis lost its data; the ledger keeps "
+                        "one per request)", len(bills))
+        return len(bills)
 
 
 def encode_record(attributes: dict[str, Any], *, start_unix_ns: int, end_unix_ns: int,

@@ -172,10 +172,15 @@ async def append_tokens(redis, stream: str, index: int, token_ids: list[int],
         raise IndexTaken(f"{stream}: completion index {index} was already delivered") from exc
 
 
-def final_event(finish_reason: str, usage: dict[str, Any], key: bytes | None = None) -> dict[str, str]:
-    """The request's end, written by its router; `key`: the router's key (llmmesh.streamauth)."""
-    return streamauth.signed(json.dumps({"kind": "final", "finish_reason": finish_reason,
-                                         "usage": usage}), key)
+def final_event(finish_reason: str, usage: dict[str, Any], key: bytes | None = None,
+                bill: str | None = None) -> dict[str, str]:
+    """The request's end, written by its router; `key`: the router's key (llmmesh.streamauth).
+    `bill`: the request's billing record as written to the billing stream (its "d" field), for
+    its gateway to keep and write again should Redis lose it unshipped (llmmesh.billing)."""
+    body: dict[str, Any] = {"kind": "final", "finish_reason": finish_reason, "usage": usage}
+    if bill is not None:
+        body["bill"] = bill
+    return streamauth.signed(json.dumps(body), key)
 
 
 def error_event(code: str, message: str, key: bytes | None = None) -> dict[str, str]:

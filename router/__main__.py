@@ -72,7 +72,8 @@ async def main() -> None:
     supervisor = Supervisor()
     loops = [("registry", registry.run), ("dispatch", dispatcher.run),
              ("cancels", dispatcher.watch_cancels), ("reclaim", dispatcher.reclaim),
-             ("billing", shipper.run)]
+             ("billing", shipper.run), ("epoch", dispatcher.watch_epoch),
+             ("drain", dispatcher.publish_drain)]
     if args.metrics_port >= 0:
         dispatcher.metrics = RouterMetrics(CollectorRegistry(), redis,
                                            lambda: registry.workers.values())

@@ -19,10 +19,13 @@ from redis.exceptions import RedisError, ResponseError
 
 from llmmesh import billing, queue, streamauth, telemetry, vocab
 from llmmesh.admission import Admission, Reservation
+from llmmesh.drain import HEARTBEAT_S, DrainMeter, WorkerSeats
+from llmmesh.epoch import RedisEpoch
 from llmmesh.jobs import JobResults
 from llmmesh.v1 import worker_pb2
 from llmmesh.vocab import CLASSES, FinishReason, RequestClass
 from router import faults
+from router.ending import Ended, write_end
 from router.fairness import ClassPolicy, ClassScheduler
 from router.policy import Policy, place
 from router.registry import WorkerHandle, WorkerRegistry
@@ -63,6 +66,8 @@ class Held:
     # Read fresh from the queue (">"): never delivered to any router, so its result stream is
     # empty and reading it back can be skipped. False for entries taken over from a router.
     fresh: bool = False
+    # Redis lost it with its data (llmmesh.epoch) before it started: never run.
+    dropped: bool = False
 
 
 def _error_for_undecodable(fields: dict) -> tuple[str, dict[str, str]] | None:
@@ -98,6 +103,11 @@ class Dispatcher:
         self._batch_inflight = 0
         self._side_tasks: set[asyncio.Task] = set()
         self.metrics = None   # router.metrics.RouterMetrics, or None
+        self.epoch = RedisEpoch(redis)
+        # Bills of batch-job items, which no gateway relays (and so none keeps), to write again
+        # if Redis loses them unshipped (llmmesh.billing.RecentBills).
+        self.job_bills = billing.RecentBills()
+        self.drain = DrainMeter(config.consumer)
 
     async def ensure_groups(self) -> None:
         for cls in CLASSES:
@@ -203,12 +213,16 @@ class Dispatcher:
 
     def _start(self, held: Held) -> None:
         rid = held.progress.entry.request_id
+        if held.dropped:
+            self.held.pop((held.request_class, held.entry_id), None)
+            return
         self.running[rid] = held
         if held.request_class == RequestClass.BATCH:
             self._batch_inflight += 1
         task = asyncio.create_task(self._serve_through_outages(held))
 
         def done(_):
+            self.drain.ended(held.request_class)
             self.running.pop(rid, None)
             self.held.pop((held.request_class, held.entry_id), None)
             if held.request_class == RequestClass.BATCH:
@@ -286,13 +300,21 @@ class Dispatcher:
                 if early_check is not None and await early_check and not p.delivered:
                     # Cancelled before the router took it: ends as before, unbilled.
                     raise RequestFailed("CANCELLED", "request cancelled before it started")
-                # The final and its bill in one MULTI/EXEC: a request that ended has a durable
-                # bill, whatever instant this router dies at (llmmesh.billing).
-                async with self.redis.pipeline(transaction=True) as pipe:
-                    pipe.xadd(queue.result_stream(e.request_id),
-                              queue.final_event(reason, p.usage(), p.router_key()))
-                    pipe.xadd(billing.BILLING_STREAM, billing_fields(p, reason, device, span))
-                    await pipe.execute()
+                # The final and its bill in one atomic step, only while this router holds the
+                # entry: a request that ended has a durable bill, whatever instant this router
+                # dies at (llmmesh.billing), and one that Redis lost or another router took
+                # over is neither ended nor billed here (router.ending).
+                bill = billing_fields(p, reason, device, span)
+                wrote = await write_end(
+                    self.redis, request_class=cls, entry_id=entry_id,
+                    consumer=self.config.consumer, request_id=e.request_id,
+                    event=queue.final_event(reason, p.usage(), p.router_key(), bill=bill["d"]),
+                    bill=bill)
+                if wrote is not Ended.WRITTEN:
+                    await self._let_go(p, wrote)
+                    return
+                if e.job_id:
+                    self.job_bills.remember(e.request_id, bill)
                 faults.reached("billed")
                 record_usage(span, p, reason, device)
                 billed = True
@@ -300,13 +322,24 @@ class Dispatcher:
             except RequestFailed as exc:
                 span.set_status(trace.StatusCode.ERROR, exc.message)
                 span.set_attribute(vocab.ERROR_TYPE, exc.code)
-                await self.redis.xadd(queue.result_stream(e.request_id),
-                                      queue.error_event(exc.code, exc.message, p.router_key()))
+                wrote = await write_end(
+                    self.redis, request_class=cls, entry_id=entry_id,
+                    consumer=self.config.consumer, request_id=e.request_id,
+                    event=queue.error_event(exc.code, exc.message, p.router_key()), bill=None)
+                if wrote is not Ended.WRITTEN:
+                    await self._let_go(p, wrote)
+                    return
                 # Workers append to the stream themselves: after the error event nothing more
                 # can be, so what it holds now is exactly what the client got.
                 await sync_delivered(p, self.redis)
                 if p.delivered:  # tokens were produced and delivered: they are billed
-                    await self.redis.xadd(billing.BILLING_STREAM, billing_fields(p, "error", "", span))
+                    bill = billing_fields(p, "error", "", span)
+                    # Refused only if the entry left us since the error event: its new owner
+                    # finds the error and writes the bill (the ended-request path above).
+                    if await write_end(self.redis, request_class=cls, entry_id=entry_id,
+                                       consumer=self.config.consumer, request_id=e.request_id,
+                                       event=None, bill=bill) is Ended.WRITTEN and e.job_id:
+                        self.job_bills.remember(e.request_id, bill)
                     record_usage(span, p, "error", "")
                     billed = True
                 outcome = {"error_code": exc.code, "error_message": exc.message}
@@ -314,6 +347,72 @@ class Dispatcher:
                 if early_check is not None and not early_check.done():
                     early_check.cancel()   # the request ended first (it aborts nothing now)
             await self._finish(cls, entry_id, p, billed, outcome)
+
+    async def _let_go(self, p: RequestProgress, why: Ended) -> None:
+        """The request is no longer this router's to end (router.ending): nothing is written,
+        settled or acknowledged here."""
+        rid = p.entry.request_id
+        if why is Ended.TAKEN_OVER:
+            log.warning("request %s: another router took its entry over while it ran here (this "
+                        "one stalled past --claim-idle-ms); left to it", rid)
+            return
+        log.error("request %s: its queue entry is gone (Redis lost its data); not ended or "
+                  "billed here: its gateway told the client UNAVAILABLE and bills the %d tokens "
+                  "it relayed", rid, len(p.delivered))
+        # What its worker appended into the new Redis: no router will expire it otherwise.
+        with contextlib.suppress(RedisError):
+            await self.redis.expire(queue.result_stream(rid), queue.RESULT_TTL_S)
+
+    async def publish_drain(self) -> None:
+        """Loop: what runs per class, how fast it ends and the workers' seats, for the gateways'
+        wait bound (llmmesh.drain)."""
+        while True:
+            running = {c: 0 for c in CLASSES}
+            interactive: dict[str, int] = {}    # worker -> this router's interactive there
+            for held in list(self.running.values()):
+                running[held.request_class] += 1
+                if held.request_class == RequestClass.INTERACTIVE and held.progress.worker_ids:
+                    w = held.progress.worker_ids[-1]
+                    interactive[w] = interactive.get(w, 0) + 1
+            workers = {h.worker_id: WorkerSeats(h.max_running or h.max_inflight, h.max_inflight,
+                                                h.num_inflight, interactive.get(h.worker_id, 0))
+                       for h in self.registry.workers.values() if h.serving}
+            self.drain.changed.clear()
+            try:
+                await self.drain.publish(self.redis, running, workers)
+            except RedisError as exc:
+                log.debug("drain report not published: %s", exc)
+                await asyncio.sleep(HEARTBEAT_S)
+            # Changes during the publish are coalesced into the next one.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.drain.changed.wait(), HEARTBEAT_S)
+
+    async def watch_epoch(self) -> None:
+        """Notices Redis coming back without its data (llmmesh.epoch) and lets go of what it took."""
+        await self.epoch.watch(self._after_data_loss)
+
+    async def _after_data_loss(self) -> None:
+        """Entries read from the lost Redis are dropped before they run (running ones are
+        aborted: their end is refused anyway), and batch-job bills are written again."""
+        mine: set[tuple[str, str]] = set()
+        for cls in CLASSES:
+            try:
+                pending = await self.redis.xpending_range(
+                    queue.queue_stream(cls), queue.ROUTER_GROUP, min="-", max="+",
+                    count=max(1, len(self.held)), consumername=self.config.consumer)
+            except ResponseError:   # NOGROUP: none of them survived
+                pending = []
+            mine.update((cls, p["message_id"]) for p in pending)
+        lost = [h for key, h in list(self.held.items()) if key not in mine]
+        for held in lost:
+            held.dropped = True
+            if held.progress.entry.request_id in self.running:
+                self._spawn(self._abort_on_worker(held.progress))
+        log.error("dropped %d requests read before Redis lost its data (%d were running); "
+                  "their gateways told the clients UNAVAILABLE", len(lost),
+                  sum(h.progress.entry.request_id in self.running for h in lost))
+        await self.ensure_groups()
+        await self.job_bills.replay(self.redis)
 
     async def _finish(self, cls: str, entry_id: str, p: RequestProgress, billed: bool,
                       outcome: dict) -> None:
@@ -366,6 +465,7 @@ class Dispatcher:
             p.worker_ids.append(worker.worker_id)
             probe = worker.breaker.on_dispatch() if worker.breaker else False
             worker.num_inflight += 1
+            self.drain.changed.set()
             try:
                 reason = await run_attempt(p, worker, self.redis)
             except BaseException:
@@ -377,6 +477,7 @@ class Dispatcher:
             finally:
                 worker.num_inflight -= 1
                 self._slot_freed.set()
+                self.drain.changed.set()
             p.attempts += 1
             if reason is not None:
                 if worker.breaker:

@@ -54,6 +54,8 @@ class WorkerHandle:
     # The lease's model list ({name, state, quantization, load_s, evictable}), until the
     # first GetLoad probe answers with fresher states.
     lease_models: tuple[dict, ...] = ()
+    # Requests the worker runs at once (its engine's seats); max_inflight beyond it waits there.
+    max_running: int = 0
 
     def models(self) -> dict[str, tuple[str, float, bool]]:
         """Servable model -> (state, cold-start seconds, evictable), freshest source first."""
@@ -77,8 +79,13 @@ class WorkerHandle:
         return self.load.memory_budget_bytes - self.load.memory_used_bytes
 
     @property
+    def serving(self) -> bool:
+        """Healthy, and its circuit lets requests through."""
+        return self.healthy and (self.breaker is None or self.breaker.available())
+
+    @property
     def free_slots(self) -> int:
-        if not self.healthy or (self.breaker is not None and not self.breaker.available()):
+        if not self.serving:
             return 0
         return self.max_inflight - self.num_inflight
 
@@ -141,7 +148,8 @@ class WorkerRegistry:
             max_inflight=int(info.get("max_inflight", 32)), channel=channel,
             stub=worker_pb2_grpc.WorkerServiceStub(channel),
             breaker=CircuitBreaker(info["worker_id"], open_s=self.breaker_open_s),
-            lease_models=tuple(_lease_models(info)))
+            lease_models=tuple(_lease_models(info)),
+            max_running=int(info.get("max_running") or info.get("max_inflight", 32)))
         log.info("worker %s at %s joined", info["worker_id"], info["address"])
 
     async def _probe_loads(self) -> None:

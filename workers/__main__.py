@@ -171,6 +171,9 @@ async def main() -> None:
             return {"worker_id": args.worker_id, "address": args.advertise or address,
                     "models": host.lease_models(),
                     "max_inflight": args.max_num_seqs + max(2, args.max_num_seqs // 4),
+                    # Seats that run at once: the rest of max_inflight waits in the engine
+                    # (the gateways' wait bound counts it as queued: llmmesh.drain).
+                    "max_running": args.max_num_seqs,
                     "device_type": device_type}
         supervisor.start("lease", lambda: keep_lease(redis, args.worker_id, lease))
         supervisor.start("cache-index", lambda: publish_cache_index(redis, args.worker_id, engine))

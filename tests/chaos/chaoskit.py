@@ -231,6 +231,14 @@ def report(name: str, outcomes: list[Outcome], mesh, tag: str, settle_s: float =
     return t
 
 
+def note(text: str) -> None:
+    """A figure for below the table in bench/results/chaos.md (`make chaos` appends the notes
+    after the run, so the table's rows stay together)."""
+    if os.environ.get("LLMMESH_CHAOS_REPORT"):
+        with open(os.environ["LLMMESH_CHAOS_REPORT"] + ".notes", "a") as f:
+            f.write(f"- {text}\n")
+
+
 def health(mesh, name: str, role: Role = Role.WORKER) -> str:
     """A service's grpc.health.v1 status name (SERVING, NOT_SERVING), or the error's code."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -18,6 +18,7 @@ import pytest
 
 from llmmesh.launcher import Mesh
 from llmmesh.v1 import gateway_pb2_grpc
+from tests.chaos.chaoskit import note
 from tests.e2e.meshkit import DEMO_KEYS, auth, chat
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -61,11 +62,9 @@ def test_bursts_of_mixed_requests_have_no_unexplained_stall(tmp_path):
         print(f"\n  {BURSTS} bursts of {PER_BURST}: worst TTFT {worst:.2f} s, worst unexplained by "
               f"usage {worst_unexplained:.3f} s (interactive {by_class['interactive']:.3f}, batch "
               f"{by_class['batch']:.3f})")
-        if os.environ.get("LLMMESH_CHAOS_REPORT"):
-            with open(os.environ["LLMMESH_CHAOS_REPORT"], "a") as f:
-                f.write(f"\nBursts: {BURSTS} bursts of {PER_BURST} mixed requests (1 in 3 batch), "
-                        f"worst TTFT {worst:.2f} s, worst TTFT beyond what usage explains "
-                        f"{worst_unexplained:.3f} s (the issue's bound: 1 s).\n")
+        note(f"Bursts: {BURSTS} bursts of {PER_BURST} mixed requests (1 in 3 batch), worst TTFT "
+             f"{worst:.2f} s, worst TTFT beyond what usage explains {worst_unexplained:.3f} s "
+             "(the issue's bound: 1 s).")
         assert worst_unexplained < 1.0
     finally:
         mesh.down()

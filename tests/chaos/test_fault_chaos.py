@@ -209,16 +209,7 @@ def test_q2_redis_restarted_empty_in_flight_requests_are_told_unavailable(mesh):
     assert all(o.seconds < deadline_s + 1.0 for o in results)
     assert in_flight and all(o.code == grpc.StatusCode.UNAVAILABLE for o in in_flight)
     assert told_s < 2.0
-    try:
-        report("Q2: Redis restarted empty mid-load", results, mesh, "q2")
-    except AssertionError as exc:
-        # Seen at SCALE=1: 4 in flight at the restart, unbilled 21 tokens, overbilled 4; in
-        # another run 5, unbilled 44, overbilled 22.
-        pytest.xfail(
-            "Q2 billing is not exact: a request lost with Redis's data is told UNAVAILABLE, but "
-            "the tokens its client received before the restart are billed by nobody (the router "
-            "knows what was delivered only from the result stream, which is gone; the gateway "
-            "knows, but does not bill), and a request whose worker wrote nothing during the "
-            "blip finishes into the new Redis and is billed in full though its client was told "
-            "UNAVAILABLE (the final + bill MULTI/EXEC would have to be conditional on the "
-            f"entry still pending, e.g. a script). {exc}")
+    # Billed exactly: what reached each client before the restart is billed by its gateway
+    # (its router's end is refused: router.ending), and bills that waited unshipped are written
+    # again from the gateways' memory of finals (llmmesh.billing.RecentBills).
+    report("Q2: Redis restarted empty mid-load", results, mesh, "q2")

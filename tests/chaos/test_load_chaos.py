@@ -4,14 +4,16 @@ real model's capacity and the load generator beside it; the mesh's own costs per
 is measured). Arrivals are open-loop (Poisson), 80% interactive short / 20% batch long, from two
 tenants, sent by one asyncio client.
 
-- L1: at 70% of the capacity measured just before (closed loop): every request completes, queue
-  wait p99 reported, RSS of gateway, router and worker grows at most 10% from a quarter of the
-  run to its end (`make chaos`: 120 s, the quarter mark at 30 s; `make test`: 20 s);
-- L2: at 5x capacity (`make chaos`: 60 s; `make test`: 8 s) against a queue bound of
-  --max-queue-len: every request completes or is refused RESOURCE_EXHAUSTED with RetryInfo,
-  refusals fast (p99 reported; the issue's 50 ms is not held on two shared cores), the queue
-  bound held, and admitted interactive requests' p99 TTFT reported against L1's (not held: see
-  the test).
+The gateway runs with an interactive wait bound (--interactive-max-wait-ms, llmmesh.drain) and
+a queue bound (--max-queue-len).
+- L1: at 70% of the capacity measured just before (closed loop): every request completes or, at
+  a moment all seats are taken, is refused RESOURCE_EXHAUSTED with RetryInfo by the wait bound
+  (at most 2%); queue wait p99 reported; RSS of gateway, router and worker grows at most 10% from
+  a quarter of the run to its end (`make chaos`: 120 s, the quarter mark at 30 s; `make test`: 20 s);
+- L2: at 5x capacity (`make chaos`: 60 s; `make test`: 8 s): every request completes or is
+  refused RESOURCE_EXHAUSTED with RetryInfo, refusals fast (p99 reported), the queue bound
+  held, and admitted interactive requests' p99 TTFT against L1's (the issue: <= 2x; without the
+  wait bound it was 21-23x here).
 The worker's forward passes are slowed by 25 ms (LLMMESH_TEST_STEP_DELAY_MS) so that the worker,
 as a real device would, sets the capacity.
 Both end with chaoskit's client-records-vs-ledger row: lost, double-billed, unbilled = 0."""
@@ -28,8 +30,8 @@ import redis
 
 from llmmesh import queue
 from llmmesh.v1 import gateway_pb2_grpc
-from tests.chaos.chaoskit import (SCALE, STEP_DELAY_ENV, TENANTS, Outcome, chaos_mesh, report,
-                                  tiny_catalog)
+from tests.chaos.chaoskit import (SCALE, STEP_DELAY_ENV, TENANTS, Outcome, chaos_mesh, note,
+                                  report, tiny_catalog)
 from tests.e2e.meshkit import DEMO_KEYS, auth, chat
 
 pytestmark = [pytest.mark.e2e]
@@ -38,6 +40,10 @@ L1_S = 120.0 if SCALE >= 5 else 20.0
 L2_S = 60.0 if SCALE >= 5 else 8.0
 L1_LOAD, L2_LOAD = 0.7, 5.0
 STEP_DELAY_MS = 25
+# The gateway's interactive wait bound (--interactive-max-wait-ms): a mean. Queue waits are
+# about exponential, so their p99 is ~4-5x it: 50 ms gave admitted queue waits p99 200-330 ms,
+# 10 ms 140-230 ms (at this drain rate it admits only where a seat is free now).
+MAX_WAIT_MS = 10
 CHANNELS = 16   # connections, as many clients would have (a connection carries 100 streams)
 
 
@@ -50,7 +56,8 @@ def mesh(tmp_path_factory):
     # not 5x what the gateway and the load generator can push through two cores.
     with chaos_mesh(var, workers=1, routers=1, router_args=[],
                     worker_args=["--catalog", catalog, "--max-num-seqs", "16"],
-                    gateway_args=["--catalog", catalog, "--max-queue-len", str(MAX_QUEUE_LEN)],
+                    gateway_args=["--catalog", catalog, "--max-queue-len", str(MAX_QUEUE_LEN),
+                                  "--interactive-max-wait-ms", str(MAX_WAIT_MS)],
                     env={STEP_DELAY_ENV: str(STEP_DELAY_MS)}) as m:
         yield m
 
@@ -159,17 +166,20 @@ def test_l1_sustained_load_holds_memory_and_completes_everything(mesh):
     asyncio.run(client.open_loop(rate, L1_S, tick))
     rss["end"] = _rss_mib(mesh)
     done = [o for o in client.outcomes if o.usage is not None]
+    refused = client.refusals
     waits = [o.usage.queue_seconds for o in done]
     interactive = [client.ttft[o.client_id] for o in done
                    if o.client_id not in client.batch and o.client_id in client.ttft]
     _l1["ttft_p99"] = _p(interactive, 99)
     growth = {n: rss["end"][n] / rss["quarter"][n] - 1 for n in rss["end"]}
     print(f"\n  L1: capacity {_capacity['rps']:.0f} req/s (closed loop, 16 callers); open loop at "
-          f"{rate:.0f} req/s for {L1_S:.0f} s: {len(client.outcomes)} sent, {len(done)} completed; "
+          f"{rate:.0f} req/s for {L1_S:.0f} s: {len(client.outcomes)} sent, {len(done)} completed, "
+          f"{len(refused)} refused by the wait bound; "
           f"queue wait p50 {1e3 * _p(waits, 50):.1f} ms p99 {1e3 * _p(waits, 99):.1f} ms; "
           f"interactive TTFT p99 {1e3 * _l1['ttft_p99']:.1f} ms; RSS growth from {L1_S / 4:.0f} s "
           + ", ".join(f"{n} {100 * g:+.1f}%" for n, g in growth.items()))
-    assert len(done) == len(client.outcomes)
+    assert len(done) + len(refused) == len(client.outcomes), client.details
+    assert all(ri for _, ri in refused) and len(refused) <= 0.02 * len(client.outcomes)
     assert all(g <= 0.10 for g in growth.values()), growth
     report(f"L1 open loop at {L1_LOAD:.0%} of capacity, {L1_S:.0f} s", client.outcomes, mesh, "l1")
 
@@ -192,20 +202,32 @@ def test_l2_overload_is_refused_fast_with_retry_info_and_the_queue_bound_holds(m
     interactive = [client.ttft[o.client_id] for o in done
                    if o.client_id not in client.batch and o.client_id in client.ttft]
     ttft_p99 = _p(interactive, 99)
+    waits = [o.usage.queue_seconds for o in done if o.client_id not in client.batch]
+    print(f"\n  L2: admitted interactive queue wait p50 {1e3 * _p(waits, 50):.1f} ms p99 "
+          f"{1e3 * _p(waits, 99):.1f} ms; TTFT p50 {1e3 * _p(interactive, 50):.0f} ms")
     print(f"\n  L2: open loop at {rate:.0f} req/s ({L2_LOAD:.0f}x capacity) for {L2_S:.0f} s: "
           f"{len(client.outcomes)} sent, {len(done)} completed, {len(refused)} RESOURCE_EXHAUSTED "
           f"({sum(1 for _, ri in refused if ri)} with RetryInfo), {len(others)} other; refusal p50 "
           f"{1e3 * _p(refusal_s, 50):.1f} ms p99 {1e3 * _p(refusal_s, 99):.1f} ms; deepest queue "
           f"seen {max(depth, default=0)} (bound {MAX_QUEUE_LEN}); admitted interactive TTFT p99 "
           f"{1e3 * ttft_p99:.0f} ms = {ttft_p99 / _l1['ttft_p99'] if _l1.get('ttft_p99') else float('nan'):.1f}x L1's")
+    ratio = ttft_p99 / _l1["ttft_p99"] if _l1.get("ttft_p99") else float("nan")
+    note(f"L1/L2 (tiny model, --interactive-max-wait-ms {MAX_WAIT_MS}): L1 interactive TTFT p99 "
+         f"{1e3 * _l1.get('ttft_p99', float('nan')):.0f} ms; L2 at {L2_LOAD:.0f}x: refusal p50 "
+         f"{1e3 * _p(refusal_s, 50):.1f} ms p99 {1e3 * _p(refusal_s, 99):.1f} ms (the issue: 50 ms), "
+         f"admitted interactive queue wait p99 {1e3 * _p(waits, 99):.0f} ms, TTFT p99 "
+         f"{1e3 * ttft_p99:.0f} ms = {ratio:.1f}x L1's (the issue: <= 2x), deepest queue "
+         f"{max(depth, default=0)} (bound {MAX_QUEUE_LEN}).")
     assert others == [], (client.details, [(o.client_id, o.code) for o in others[:5]])
     assert refused and all(ri for _, ri in refused)
     assert max(depth, default=0) <= MAX_QUEUE_LEN
     # The issue's bound is 50 ms; here the gateway shares two cores with the router, the worker
-    # and this load generator (measured p99: 62 ms), so the test holds it to 250 ms and prints.
+    # and this load generator (measured p99: 19-118 ms), so the test holds it to 250 ms and prints.
     assert _p(refusal_s, 99) <= 0.250
-    # Not asserted, reported: admitted interactive TTFT p99 is 14x L1's, not <= 2x. The bound
-    # counts a class's entries (waiting and running alike), so an admitted request can wait for
-    # a full queue to drain; bounding each class by its expected wait (depth / drain rate) is
-    # what would hold TTFT, and is not built.
+    # The issue's bound is 2x; an 8 s run holds ~150 admitted interactive requests (p99 is their
+    # second worst) and L1's p99 itself moved 77-194 ms between runs: measured 1.2-2.4x here,
+    # 21-23x without the wait bound. Held to 4x (a regression to queueing behind a full
+    # queue fails it); `make chaos` runs longer and writes the figure to chaos.md.
+    if _l1.get("ttft_p99"):
+        assert ttft_p99 <= 4 * _l1["ttft_p99"], (ttft_p99, _l1)
     report(f"L2 open loop at {L2_LOAD:.0f}x capacity, {L2_S:.0f} s", client.outcomes, mesh, "l2")
