@@ -170,6 +170,9 @@ class Frontend:
                 vocab.CLIENT_REQUEST_ID: req.request_id, vocab.REQUEST_CLASS: request_class,
                 **self._server, **(span_attributes or {})})
             ended = False
+            # Read before the enqueue: a wipe noticed from here on is checked by the relay (one
+            # noticed between the enqueue and the relay's start used to go unseen).
+            generation = self.losses.epoch.generation
             try:
                 enqueue = asyncio.ensure_future(
                     self._admit_and_enqueue(tenant, req, entry, deadline_unix_ns))
@@ -186,7 +189,7 @@ class Frontend:
                 if announce:
                     yield Admitted(entry.request_id, request_class)
                 claim = queue.claim_key(tenant.tenant_id, req.request_id)
-                async for out in self._relay(req, entry, deadline_unix_ns, claim):
+                async for out in self._relay(req, entry, deadline_unix_ns, claim, generation):
                     if isinstance(out, FinalOut):
                         ended = True
                         span.set_attributes({
@@ -289,17 +292,16 @@ class Frontend:
             stream_key=streamauth.new_stream_key())
 
     async def _relay(self, req: ValidRequest, entry: queue.QueueEntry, deadline_unix_ns: int,
-                     claim: str) -> AsyncIterator[TokensOut | FinalOut]:
+                     claim: str, generation: int) -> AsyncIterator[TokensOut | FinalOut]:
         request_id, request_class = entry.request_id, entry.request_class
         detok = TextStream(req.model.tokenizer, req.sampling.get("stop"))
         # Only what the request's current attempt and its router signed reaches the client.
         check = streamauth.StreamCheck(entry.stream_key, request_id)
         stream, last_id, finished, next_index = queue.result_stream(request_id), "0-0", False, 0
         task = asyncio.current_task()
+        # A wipe seen by the epoch watcher (`generation` moved) but not by this call (its
+        # connection survived, or redis-py retried on a new one) is checked like an outage.
         outage_since = None
-        # A wipe seen by the epoch watcher but not by this call (its connection survived, or
-        # redis-py retried on a new one): checked like an outage.
-        generation = self.losses.epoch.generation
         idle_s = self.config.idle_stream_s
         last_event = time.monotonic()
         try:
@@ -321,6 +323,9 @@ class Frontend:
                 except RedisError:
                     outage_since = outage_since or time.monotonic()
                     if time.monotonic() - outage_since > _OUTAGE_GRACE_S:
+                        # Whether Redis comes back with the request or without it is not known
+                        # yet: if without, its gateway is still the one to bill what it relayed.
+                        self.losses.check_lost_later(entry, claim, next_index)
                         raise
                     await asyncio.sleep(_OUTAGE_RETRY_S)
                     continue
@@ -347,10 +352,12 @@ class Frontend:
                                             event.get("logprobs", []))
                         elif event["kind"] == "final":
                             finished = True
+                            # Kept before any yield: a slow client must not delay it past a
+                            # replay that should have included it.
+                            self.losses.finished(request_id, event.get("bill"))
                             tail = detok.flush()
                             if tail:
                                 yield TokensOut(next_index, [], tail)
-                            self.losses.finished(request_id, event.get("bill"))
                             yield FinalOut(req.request_id, request_class,
                                            event["finish_reason"], event["usage"])
                             return

@@ -59,6 +59,28 @@ class LossKeeper:
             self._retries.add(task)
             task.add_done_callback(self._retries.discard)
 
+    def check_lost_later(self, entry: queue.QueueEntry, claim: str, num_delivered: int) -> None:
+        """A call given up during a long outage: once Redis answers, bill what its client got
+        if the request's claim is gone (Redis came back without it); else its router ends it."""
+        task = asyncio.get_running_loop().create_task(
+            self._check_when_back(entry, claim, num_delivered))
+        self._retries.add(task)
+        task.add_done_callback(self._retries.discard)
+
+    async def _check_when_back(self, entry: queue.QueueEntry, claim: str, num_delivered: int) -> None:
+        deadline = time.monotonic() + _BILL_RETRY_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            try:
+                if await self.redis.get(claim) == entry.request_id:
+                    return      # it survived: its router ends and bills it
+            except RedisError:
+                continue
+            log.error("request %s: lost with Redis's data after its client gave up waiting; "
+                      "billing the %d tokens it received", entry.request_id, num_delivered)
+            await self.bill_lost(entry, num_delivered)
+            return
+
     async def _bill_when_back(self, fields: dict[str, str]) -> None:
         deadline = time.monotonic() + _BILL_RETRY_S
         while time.monotonic() < deadline:

@@ -44,8 +44,11 @@ HEARTBEAT_S = 0.5
 # A gateway reads the whole hash this often besides (a router that stopped drops out).
 FULL_READ_S = 1.0
 WINDOW_S = 2.0
-# A router's report older than this is left out (it stopped, or it cannot reach Redis).
+# A router's report unchanged this long is left out (it stopped, or it cannot reach Redis).
+# Judged by when the gateway received it, never by the router's clock.
 FRESH_S = 2.0
+# A router publishes at most this often (changes meanwhile go out together).
+MIN_PUBLISH_S = 0.005
 
 log = logging.getLogger("llmmesh.drain")
 
@@ -57,9 +60,14 @@ class DrainMeter:
         self.consumer = consumer
         self._ends: dict[str, deque[float]] = {c: deque() for c in CLASSES}
         self.changed = asyncio.Event()    # set at each dispatch and end: report now
+        self._seq = 0    # in every report: a live router's repeats differ, a stopped one's do not
 
     def ended(self, request_class: str) -> None:
-        self._ends[request_class].append(time.monotonic())
+        now = time.monotonic()
+        ends = self._ends[request_class]
+        ends.append(now)
+        while ends[0] < now - WINDOW_S:
+            ends.popleft()
         self.changed.set()
 
     def rates(self) -> dict[str, float]:
@@ -73,8 +81,8 @@ class DrainMeter:
         """`running`: this router's requests on workers per class; `workers`: per serving
         worker, its seats and this router's requests on it."""
         rates = self.rates()
-        return json.dumps({"t_ms": int(time.time() * 1000),
-                           "workers": {w: list(s) for w, s in workers.items()},
+        self._seq += 1
+        return json.dumps({"seq": self._seq, "workers": {w: list(s) for w, s in workers.items()},
                            "classes": {c: {"running": running.get(c, 0), "ended_per_s": rates[c]}
                                        for c in CLASSES}}, separators=(",", ":"))
 
@@ -110,24 +118,28 @@ class ClassDrain:
         return self.running + self.free_slots + math.floor(self.ended_per_s * max_wait_s)
 
 
-def summarise(raw: dict[str, str], now_ms: int) -> dict[str, ClassDrain]:
-    """Sums the fresh routers' reports (a malformed one is left out)."""
+def parse(report: str) -> tuple[dict, dict[str, WorkerSeats]]:
+    """One router's report: ({class: (running, ended/s)}, {worker: seats}). Raises ValueError."""
+    try:
+        body = json.loads(report)
+        classes = {c: (int(body["classes"][c]["running"]), float(body["classes"][c]["ended_per_s"]))
+                   for c in CLASSES}
+        workers = {str(w): WorkerSeats(*map(int, s)) for w, s in body["workers"].items()}
+    except (KeyError, TypeError, AttributeError, OverflowError) as exc:
+        raise ValueError(f"malformed drain report ({type(exc).__name__}: {exc})") from exc
+    return classes, workers
+
+
+def summarise(reports: list[tuple[dict, dict[str, WorkerSeats]]]) -> dict[str, ClassDrain]:
+    """Sums routers' parsed reports; {} when there are none."""
+    if not reports:
+        return {}
     running = {c: 0 for c in CLASSES}
     rates = {c: 0.0 for c in CLASSES}
     slots = 0                       # what the routers may still send, all workers
     seats: dict[str, int] = {}      # worker -> its seats (every router reports the same)
     busy: dict[str, list[int]] = {}  # worker -> [requests, interactive ones], all routers
-    for field_, value in raw.items():
-        try:
-            report = json.loads(value)
-            if now_ms - int(report["t_ms"]) > FRESH_S * 1000:
-                continue
-            classes = {c: (int(report["classes"][c]["running"]),
-                           float(report["classes"][c]["ended_per_s"])) for c in CLASSES}
-            workers = {str(w): WorkerSeats(*map(int, s)) for w, s in report["workers"].items()}
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            log.warning("drain report of %s is malformed (%s); left out", field_, exc)
-            continue
+    for classes, workers in reports:
         for c, (n, rate) in classes.items():
             running[c] += n
             rates[c] += rate
@@ -148,22 +160,38 @@ class DrainView:
     def __init__(self, redis: aioredis.Redis) -> None:
         self.redis = redis
         self.classes: dict[str, ClassDrain] = {}
-        self.read_at = 0.0
-        self._raw: dict[str, str] = {}
+        # router -> (when this gateway got the report, its text, parsed)
+        self._reports: dict[str, tuple[float, str, tuple]] = {}
 
     def current(self, request_class: str) -> ClassDrain | None:
-        """The class's drain when read lately, else None (no router reports: no wait bound)."""
-        if time.monotonic() - self.read_at > FRESH_S:
-            return None
+        """The class's drain from the fresh reports, else None (no wait bound without them)."""
+        cut = time.monotonic() - FRESH_S
+        if any(at < cut for at, _, _ in self._reports.values()):
+            self._reports = {r: v for r, v in self._reports.items() if v[0] >= cut}
+            self._update()
         return self.classes.get(request_class)
 
+    def take(self, router: str, report: str, now: float | None = None) -> None:
+        """A report as received (a repeated one keeps the time it first came: a stopped
+        router's last report, still in the hash, ages out)."""
+        now = time.monotonic() if now is None else now
+        known = self._reports.get(router)
+        if known is not None and known[1] == report:
+            return
+        try:
+            parsed = parse(report)
+        except ValueError as exc:
+            log.warning("drain report of %s left out: %s", router, exc)
+            return
+        self._reports[router] = (now, report, parsed)
+        self._update()
+
     def _update(self) -> None:
-        self.classes = summarise(self._raw, int(time.time() * 1000)) if self._raw else {}
-        self.read_at = time.monotonic()
+        self.classes = summarise([v[2] for v in self._reports.values()])
 
     async def refresh(self) -> None:
-        self._raw = await self.redis.hgetall(DRAIN_KEY)
-        self._update()
+        for router, report in (await self.redis.hgetall(DRAIN_KEY)).items():
+            self.take(router, report)
 
     async def run(self) -> None:
         """Loop (supervised): follows the channel; reads the hash every FULL_READ_S too."""
@@ -178,8 +206,7 @@ class DrainView:
                                                    timeout=HEARTBEAT_S)
                     if msg is not None and msg.get("type") == "message":
                         router, _, report = msg["data"].partition(" ")
-                        self._raw[router] = report
-                        self._update()
+                        self.take(router, report)
                     if time.monotonic() >= full_read:
                         await self.refresh()
                         full_read = time.monotonic() + FULL_READ_S

@@ -19,13 +19,13 @@ from redis.exceptions import RedisError, ResponseError
 
 from llmmesh import billing, queue, streamauth, telemetry, vocab
 from llmmesh.admission import Admission, Reservation
-from llmmesh.drain import HEARTBEAT_S, DrainMeter, WorkerSeats
+from llmmesh.drain import HEARTBEAT_S, MIN_PUBLISH_S, DrainMeter, WorkerSeats
 from llmmesh.epoch import RedisEpoch
 from llmmesh.jobs import JobResults
 from llmmesh.v1 import worker_pb2
 from llmmesh.vocab import CLASSES, FinishReason, RequestClass
 from router import faults
-from router.ending import Ended, write_end
+from router.ending import Ended, EndScripts
 from router.fairness import ClassPolicy, ClassScheduler
 from router.policy import Policy, place
 from router.registry import WorkerHandle, WorkerRegistry
@@ -104,9 +104,11 @@ class Dispatcher:
         self._side_tasks: set[asyncio.Task] = set()
         self.metrics = None   # router.metrics.RouterMetrics, or None
         self.epoch = RedisEpoch(redis)
-        # Bills of batch-job items, which no gateway relays (and so none keeps), to write again
-        # if Redis loses them unshipped (llmmesh.billing.RecentBills).
-        self.job_bills = billing.RecentBills()
+        # The bills this router wrote lately, to write again if Redis loses them unshipped
+        # (llmmesh.billing.RecentBills): batch-job items, errors and cancels pass no final
+        # through a gateway, which keeps only what finals carry.
+        self.bills = billing.RecentBills()
+        self.ends = EndScripts(redis)
         self.drain = DrainMeter(config.consumer)
 
     async def ensure_groups(self) -> None:
@@ -213,8 +215,7 @@ class Dispatcher:
 
     def _start(self, held: Held) -> None:
         rid = held.progress.entry.request_id
-        if held.dropped:
-            self.held.pop((held.request_class, held.entry_id), None)
+        if held.dropped:   # let go while it waited here (_drop)
             return
         self.running[rid] = held
         if held.request_class == RequestClass.BATCH:
@@ -224,7 +225,8 @@ class Dispatcher:
         def done(_):
             self.drain.ended(held.request_class)
             self.running.pop(rid, None)
-            self.held.pop((held.request_class, held.entry_id), None)
+            if self.held.get((held.request_class, held.entry_id)) is held:
+                del self.held[held.request_class, held.entry_id]
             if held.request_class == RequestClass.BATCH:
                 self._batch_inflight -= 1
             self._slot_freed.set()
@@ -305,16 +307,15 @@ class Dispatcher:
                 # dies at (llmmesh.billing), and one that Redis lost or another router took
                 # over is neither ended nor billed here (router.ending).
                 bill = billing_fields(p, reason, device, span)
-                wrote = await write_end(
-                    self.redis, request_class=cls, entry_id=entry_id,
+                wrote = await self.ends.write_end(
+                    request_class=cls, entry_id=entry_id,
                     consumer=self.config.consumer, request_id=e.request_id,
                     event=queue.final_event(reason, p.usage(), p.router_key(), bill=bill["d"]),
                     bill=bill)
                 if wrote is not Ended.WRITTEN:
                     await self._let_go(p, wrote)
                     return
-                if e.job_id:
-                    self.job_bills.remember(e.request_id, bill)
+                self.bills.remember(e.request_id, bill)
                 faults.reached("billed")
                 record_usage(span, p, reason, device)
                 billed = True
@@ -322,8 +323,8 @@ class Dispatcher:
             except RequestFailed as exc:
                 span.set_status(trace.StatusCode.ERROR, exc.message)
                 span.set_attribute(vocab.ERROR_TYPE, exc.code)
-                wrote = await write_end(
-                    self.redis, request_class=cls, entry_id=entry_id,
+                wrote = await self.ends.write_end(
+                    request_class=cls, entry_id=entry_id,
                     consumer=self.config.consumer, request_id=e.request_id,
                     event=queue.error_event(exc.code, exc.message, p.router_key()), bill=None)
                 if wrote is not Ended.WRITTEN:
@@ -336,10 +337,13 @@ class Dispatcher:
                     bill = billing_fields(p, "error", "", span)
                     # Refused only if the entry left us since the error event: its new owner
                     # finds the error and writes the bill (the ended-request path above).
-                    if await write_end(self.redis, request_class=cls, entry_id=entry_id,
-                                       consumer=self.config.consumer, request_id=e.request_id,
-                                       event=None, bill=bill) is Ended.WRITTEN and e.job_id:
-                        self.job_bills.remember(e.request_id, bill)
+                    wrote = await self.ends.write_end(
+                        request_class=cls, entry_id=entry_id, consumer=self.config.consumer,
+                        request_id=e.request_id, event=None, bill=bill)
+                    if wrote is not Ended.WRITTEN:
+                        await self._let_go(p, wrote)
+                        return
+                    self.bills.remember(e.request_id, bill)
                     record_usage(span, p, "error", "")
                     billed = True
                 outcome = {"error_code": exc.code, "error_message": exc.message}
@@ -356,9 +360,10 @@ class Dispatcher:
             log.warning("request %s: another router took its entry over while it ran here (this "
                         "one stalled past --claim-idle-ms); left to it", rid)
             return
-        log.error("request %s: its queue entry is gone (Redis lost its data); not ended or "
-                  "billed here: its gateway told the client UNAVAILABLE and bills the %d tokens "
-                  "it relayed", rid, len(p.delivered))
+        log.error("request %s: its queue entry is gone (Redis lost its data, or another router "
+                  "ended it); not ended or billed here: after a loss its gateway told the client "
+                  "UNAVAILABLE and bills the tokens it relayed (%d in this router's view)", rid,
+                  len(p.delivered))
         # What its worker appended into the new Redis: no router will expire it otherwise.
         with contextlib.suppress(RedisError):
             await self.redis.expire(queue.result_stream(rid), queue.RESULT_TTL_S)
@@ -383,7 +388,8 @@ class Dispatcher:
             except RedisError as exc:
                 log.debug("drain report not published: %s", exc)
                 await asyncio.sleep(HEARTBEAT_S)
-            # Changes during the publish are coalesced into the next one.
+            # Changes during the publish (and the pause) are coalesced into the next one.
+            await asyncio.sleep(MIN_PUBLISH_S)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.drain.changed.wait(), HEARTBEAT_S)
 
@@ -394,6 +400,9 @@ class Dispatcher:
     async def _after_data_loss(self) -> None:
         """Entries read from the lost Redis are dropped before they run (running ones are
         aborted: their end is refused anyway), and batch-job bills are written again."""
+        # Judged: what was held before asking (an entry read from the new Redis meanwhile is
+        # pending, but XPENDING was asked before it existed).
+        before = list(self.held.items())
         mine: set[tuple[str, str]] = set()
         for cls in CLASSES:
             try:
@@ -403,16 +412,15 @@ class Dispatcher:
             except ResponseError:   # NOGROUP: none of them survived
                 pending = []
             mine.update((cls, p["message_id"]) for p in pending)
-        lost = [h for key, h in list(self.held.items()) if key not in mine]
+        lost = [h for key, h in before if key not in mine]
         for held in lost:
-            held.dropped = True
-            if held.progress.entry.request_id in self.running:
+            if self._drop(held):   # running: its end is refused anyway; stop its worker now
                 self._spawn(self._abort_on_worker(held.progress))
         log.error("dropped %d requests read before Redis lost its data (%d were running); "
                   "their gateways told the clients UNAVAILABLE", len(lost),
                   sum(h.progress.entry.request_id in self.running for h in lost))
         await self.ensure_groups()
-        await self.job_bills.replay(self.redis)
+        await self.bills.replay(self.redis)
 
     async def _finish(self, cls: str, entry_id: str, p: RequestProgress, billed: bool,
                       outcome: dict) -> None:
@@ -543,9 +551,10 @@ class Dispatcher:
         for cls in CLASSES:
             stream = queue.queue_stream(cls)
             mine = [h.entry_id for h in self.held.values() if h.request_class == cls]
-            if mine:  # XCLAIM to ourselves resets the idle clock other routers watch
-                await self.redis.xclaim(stream, queue.ROUTER_GROUP, self.config.consumer, 0,
-                                        mine, justid=True)
+            gone = await self.ends.renew(request_class=cls, consumer=self.config.consumer,
+                                         entry_ids=mine)
+            for entry_id in gone:
+                self._give_up_entry(cls, entry_id)
             _, claimed, _ = await self.redis.xautoclaim(
                 stream, queue.ROUTER_GROUP, self.config.consumer, self.config.claim_idle_ms,
                 start_id="0-0", count=self.config.prefetch)
@@ -562,6 +571,29 @@ class Dispatcher:
                         held.progress.give_up = (f"request delivered to {deliveries} routers "
                                                  "without ending")
         self._dispatch_ready()
+
+    def _give_up_entry(self, cls: str, entry_id: str) -> None:
+        """An entry this router held is another's now (it stalled past claim_idle_ms) or gone:
+        not run here, and a running one is aborted (its end would be refused: router.ending)."""
+        held = self.held.get((cls, entry_id))
+        if held is None or held.dropped:
+            return
+        log.warning("request %s: its %s entry %s is no longer this router's (taken over after a "
+                    "stall, or gone); letting it go", held.progress.entry.request_id, cls, entry_id)
+        # A running one is left to end: its worker's tokens are refused once the new owner's
+        # attempt writes (llmmesh.streamauth), and its end here is refused. Aborting it by
+        # request id could abort the new owner's attempt on the same worker.
+        self._drop(held)
+
+    def _drop(self, held: Held) -> bool:
+        """Never to run (or end) here; returns whether it is running now. One that waits is
+        forgotten at once, so the entry can be held again if it comes back to this router."""
+        held.dropped = True
+        key = (held.request_class, held.entry_id)
+        running = held.progress.entry.request_id in self.running
+        if not running and self.held.get(key) is held:
+            del self.held[key]
+        return running
 
     async def _deliveries(self, stream: str, entry_id: str) -> int:
         """How many times the group delivered the entry (counted by Redis, across routers)."""

@@ -23,7 +23,7 @@ from llmmesh.identity import Role
 from llmmesh.mtls import MeshIdentity, server_credentials
 from llmmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from router.dispatcher import Dispatcher, DispatcherConfig
-from router.ending import Ended, write_end
+from router.ending import Ended, EndScripts
 from router.policy import make_policy
 from router.registry import WorkerRegistry
 from tests.integration.test_router_queue import _entry
@@ -90,29 +90,29 @@ def test_an_end_is_written_while_the_router_holds_the_entry_and_refused_after(re
                        event=queue.final_event("stop", {"completion_tokens": 1}),
                        bill={"d": "bill-1"})
             entry_id = await _pending_entry()(r)
-            assert await write_end(r, entry_id=entry_id, consumer="router-a", **end) is Ended.WRITTEN
+            assert await EndScripts(r).write_end(entry_id=entry_id, consumer="router-a", **end) is Ended.WRITTEN
             assert len(await r.xrange(queue.result_stream("acme/x/1"))) == 1
             assert [f["d"] for _, f in await r.xrange(billing.BILLING_STREAM)] == ["bill-1"]
             # Another router took the entry over: this one's end is refused, nothing written.
             await r.xclaim(queue.queue_stream("interactive"), queue.ROUTER_GROUP, "router-b", 0,
                            [entry_id])
-            assert await write_end(r, entry_id=entry_id, consumer="router-a",
+            assert await EndScripts(r).write_end(entry_id=entry_id, consumer="router-a",
                                    **end) is Ended.TAKEN_OVER
             # An error event alone, and a bill alone, by the owner.
-            assert await write_end(r, entry_id=entry_id, consumer="router-b",
+            assert await EndScripts(r).write_end(entry_id=entry_id, consumer="router-b",
                                    **{**end, "bill": None}) is Ended.WRITTEN
-            assert await write_end(r, entry_id=entry_id, consumer="router-b",
+            assert await EndScripts(r).write_end(entry_id=entry_id, consumer="router-b",
                                    **{**end, "event": None}) is Ended.WRITTEN
             assert len(await r.xrange(queue.result_stream("acme/x/1"))) == 2
             assert len(await r.xrange(billing.BILLING_STREAM)) == 2
             # Redis lost its data: no group, no entry, nothing written into the new one.
             _wipe(redis_server)
             await _reconnected(r)
-            assert await write_end(r, entry_id=entry_id, consumer="router-b",
+            assert await EndScripts(r).write_end(entry_id=entry_id, consumer="router-b",
                                    **end) is Ended.ENTRY_GONE
             await r.xgroup_create(queue.queue_stream("interactive"), queue.ROUTER_GROUP, id="0",
                                   mkstream=True)           # a group again, but not the entry
-            assert await write_end(r, entry_id=entry_id, consumer="router-b",
+            assert await EndScripts(r).write_end(entry_id=entry_id, consumer="router-b",
                                    **end) is Ended.ENTRY_GONE
             assert await r.xlen(billing.BILLING_STREAM) == 0
             assert await r.exists(queue.result_stream("acme/x/1")) == 0
@@ -121,8 +121,29 @@ def test_an_end_is_written_while_the_router_holds_the_entry_and_refused_after(re
     asyncio.run(body())
 
 
+def test_the_heartbeat_renews_only_entries_still_this_routers(redis_server):
+    """A router that stalled past --claim-idle-ms used to XCLAIM every entry it held, taking
+    back those another router had taken over (the two then swapped them at every beat)."""
+    async def body():
+        r = await _client(redis_server)
+        try:
+            scripts, stream = EndScripts(r), queue.queue_stream("interactive")
+            kept = await _pending_entry()(r)
+            taken = await r.xadd(stream, {"d": "{}"})
+            await r.xreadgroup(queue.ROUTER_GROUP, "router-a", {stream: ">"}, count=1)
+            await r.xclaim(stream, queue.ROUTER_GROUP, "router-b", 0, [taken])
+            assert await scripts.renew(request_class="interactive", consumer="router-a",
+                                       entry_ids=[kept, taken, "1-1"]) == [taken, "1-1"]
+            owners = {p["message_id"]: p["consumer"] for p in await r.xpending_range(
+                stream, queue.ROUTER_GROUP, min="-", max="+", count=10)}
+            assert owners == {kept: "router-a", taken: "router-b"}
+        finally:
+            await r.aclose()
+    asyncio.run(body())
+
+
 class GatedWorker(worker_pb2_grpc.WorkerServiceServicer):
-    """Holds every Generate until `release` is set, then ends it with 2 tokens."""
+    """Holds every Generate until `release` is set, then ends it (no tokens)."""
 
     def __init__(self):
         self.started = asyncio.Event()

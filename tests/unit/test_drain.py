@@ -9,7 +9,7 @@ import pytest
 
 from gateway.frontend import Frontend, FrontendConfig
 from llmmesh import drain
-from llmmesh.drain import ClassDrain, DrainMeter, WorkerSeats, summarise
+from llmmesh.drain import ClassDrain, DrainMeter, DrainView, WorkerSeats
 
 
 def test_a_meter_counts_ends_per_class_over_its_window(monkeypatch):
@@ -24,31 +24,50 @@ def test_a_meter_counts_ends_per_class_over_its_window(monkeypatch):
     assert meter.rates() == {"interactive": 0.0, "batch": 0.0}
 
 
-def test_fresh_reports_are_summed_and_stale_or_malformed_ones_left_out():
+def _view(reports: dict[str, str], now: float | None = None):
+    view = DrainView(None)
+    for router, report in reports.items():
+        view.take(router, report, now=now)
+    return view
+
+
+def test_reports_are_summed_and_malformed_ones_left_out(monkeypatch):
+    monkeypatch.setattr(drain.time, "monotonic", lambda: 100.0)
     a, b = DrainMeter("a"), DrainMeter("b")
     a.ended("interactive")
-    now_ms = int(time.time() * 1000)
-    stale = json.loads(b.report({"interactive": 50}, {"w9": WorkerSeats(64, 80, 0, 0)}))
-    stale["t_ms"] = now_ms - int(drain.FRESH_S * 1000) - 1
     # Two routers share w1 (16 seats, 20 requests each may send): 10 + 8 requests on it, 14 of
     # them interactive; w2 (4 seats) runs 1 batch request for router a.
-    raw = {"a": a.report({"interactive": 10, "batch": 1},
-                         {"w1": WorkerSeats(16, 20, 10, 6), "w2": WorkerSeats(4, 5, 1, 0)}),
-           "b": b.report({"interactive": 8}, {"w1": WorkerSeats(16, 20, 8, 8)}),
-           "old": json.dumps(stale), "bad": "{not json", "odd": '{"t_ms": 1e20, "workers": 3}'}
-    out = summarise(raw, now_ms)
+    view = _view({"a": a.report({"interactive": 10, "batch": 1},
+                                {"w1": WorkerSeats(16, 20, 10, 6), "w2": WorkerSeats(4, 5, 1, 0)}),
+                  "b": b.report({"interactive": 8}, {"w1": WorkerSeats(16, 20, 8, 8)}),
+                  "bad": "{not json", "odd": '{"workers": 3}', "huge": '{"workers": {"w": [1e400, 1, 1, 1]}}'})
     # Interactive: w1 has 2 seats not held by interactive work (batch ones it would preempt),
     # w2 has 4; the routers may still send 10 + 4 + 12 = 26.
-    assert out["interactive"] == ClassDrain(running=18, ended_per_s=1 / drain.WINDOW_S, free_slots=6)
+    assert view.current("interactive") == ClassDrain(running=18, ended_per_s=1 / drain.WINDOW_S,
+                                                     free_slots=6)
     # Batch needs a seat nobody holds: w1 is 2 over (2 wait inside it), w2 has 3.
-    assert out["batch"] == ClassDrain(running=1, ended_per_s=0.0, free_slots=1)
+    assert view.current("batch") == ClassDrain(running=1, ended_per_s=0.0, free_slots=1)
+
+
+def test_a_report_unchanged_for_long_drops_out_and_none_left_means_no_bound(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(drain.time, "monotonic", lambda: now[0])
+    meter = DrainMeter("a")
+    stopped = meter.report({"interactive": 2}, {"w1": WorkerSeats(16, 20, 2, 2)})
+    view = _view({"a": stopped}, now=now[0])
+    assert view.current("interactive") is not None
+    now[0] += drain.FRESH_S / 2
+    view.take("a", stopped)               # read again from the hash: the same text
+    now[0] += drain.FRESH_S / 2 + 0.01
+    assert view.current("interactive") is None
+    view.take("a", meter.report({"interactive": 2}, {"w1": WorkerSeats(16, 20, 2, 2)}))
+    assert view.current("interactive") is not None   # a live router's next report differs
 
 
 def test_free_is_what_the_routers_may_still_send_when_that_is_less():
     report = DrainMeter("a").report({"interactive": 2, "batch": 18},
                                     {"w1": WorkerSeats(16, 20, 20, 2)})
-    out = summarise({"a": report}, int(time.time() * 1000))
-    assert out["interactive"].free_slots == 0     # 14 seats held by batch, but no router slot
+    assert _view({"a": report}).current("interactive").free_slots == 0   # no router slot
 
 
 def test_the_bound_admits_what_free_seats_and_the_slo_can_absorb():
