@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from opentelemetry import trace
 from redis.exceptions import RedisError
 
-from gateway.losses import LossKeeper
+from gateway.losses import NOT_BACK, LossKeeper, when_back
 from gateway.tenants import Tenant
 from gateway.textstream import TextStream
 from gateway.validation import ValidRequest
@@ -394,13 +394,9 @@ class Frontend:
             task.add_done_callback(self._cancels.discard)
 
     async def _cancel_when_back(self, request_id: str) -> None:
-        deadline = time.monotonic() + _CANCEL_RETRY_S
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.5)
-            with contextlib.suppress(RedisError):
-                await self._publish_cancel(request_id)
-                return
-        log.warning("request %s: cancel not published within %.0f s", request_id, _CANCEL_RETRY_S)
+        if await when_back(lambda: self._publish_cancel(request_id), _CANCEL_RETRY_S) is NOT_BACK:
+            log.warning("request %s: cancel not published within %.0f s", request_id,
+                        _CANCEL_RETRY_S)
 
     async def _publish_cancel(self, request_id: str) -> None:
         await self.redis.set(queue.cancel_key(request_id), "1", ex=queue.RESULT_TTL_S)

@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -21,6 +23,7 @@ from llmmesh import billing, queue
 from llmmesh.epoch import RedisEpoch
 
 log = logging.getLogger("gateway.losses")
+T = TypeVar("T")
 # A lost request's bill that Redis would not take (still restarting) is tried again this long.
 _BILL_RETRY_S = 60.0
 
@@ -55,38 +58,43 @@ class LossKeeper:
         try:
             await self.redis.xadd(billing.BILLING_STREAM, fields)
         except RedisError:
-            task = asyncio.get_running_loop().create_task(self._bill_when_back(fields))
-            self._retries.add(task)
-            task.add_done_callback(self._retries.discard)
+            self._later(self._bill_when_back(fields))
 
     def check_lost_later(self, entry: queue.QueueEntry, claim: str, num_delivered: int) -> None:
         """A call given up during a long outage: once Redis answers, bill what its client got
         if the request's claim is gone (Redis came back without it); else its router ends it."""
-        task = asyncio.get_running_loop().create_task(
-            self._check_when_back(entry, claim, num_delivered))
+        self._later(self._check_when_back(entry, claim, num_delivered))
+
+    def _later(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
         self._retries.add(task)
         task.add_done_callback(self._retries.discard)
 
     async def _check_when_back(self, entry: queue.QueueEntry, claim: str, num_delivered: int) -> None:
-        deadline = time.monotonic() + _BILL_RETRY_S
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.5)
-            try:
-                if await self.redis.get(claim) == entry.request_id:
-                    return      # it survived: its router ends and bills it
-            except RedisError:
-                continue
-            log.error("request %s: lost with Redis's data after its client gave up waiting; "
-                      "billing the %d tokens it received", entry.request_id, num_delivered)
-            await self.bill_lost(entry, num_delivered)
-            return
+        owner = await when_back(lambda: self.redis.get(claim), _BILL_RETRY_S)
+        if owner is NOT_BACK or owner == entry.request_id:
+            return      # never answered, or it survived: its router ends and bills it
+        log.error("request %s: lost with Redis's data after its client gave up waiting; "
+                  "billing the %d tokens it received", entry.request_id, num_delivered)
+        await self.bill_lost(entry, num_delivered)
 
     async def _bill_when_back(self, fields: dict[str, str]) -> None:
-        deadline = time.monotonic() + _BILL_RETRY_S
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.5)
-            with contextlib.suppress(RedisError):
-                await self.redis.xadd(billing.BILLING_STREAM, fields)
-                return
-        # Still remembered: the next replay writes it, if Redis is wiped again.
-        log.error("a lost request's bill could not be written within %.0f s", _BILL_RETRY_S)
+        if await when_back(lambda: self.redis.xadd(billing.BILLING_STREAM, fields),
+                           _BILL_RETRY_S) is NOT_BACK:
+            # Still remembered: the next replay writes it, if Redis is wiped again.
+            log.error("a lost request's bill could not be written within %.0f s", _BILL_RETRY_S)
+
+
+NOT_BACK = object()
+
+
+async def when_back(action: Callable[[], Awaitable[T]], within_s: float,
+                    interval_s: float = 0.5) -> T | object:
+    """`action()`'s result once Redis answers it, tried every `interval_s` for `within_s`;
+    NOT_BACK if it never did."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        await asyncio.sleep(interval_s)
+        with contextlib.suppress(RedisError):
+            return await action()
+    return NOT_BACK

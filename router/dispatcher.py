@@ -66,7 +66,8 @@ class Held:
     # Read fresh from the queue (">"): never delivered to any router, so its result stream is
     # empty and reading it back can be skipped. False for entries taken over from a router.
     fresh: bool = False
-    # Redis lost it with its data (llmmesh.epoch) before it started: never run.
+    # Let go before it started (Redis lost it with its data, or another router took it over):
+    # never run here (Dispatcher._drop).
     dropped: bool = False
 
 
@@ -307,15 +308,9 @@ class Dispatcher:
                 # dies at (llmmesh.billing), and one that Redis lost or another router took
                 # over is neither ended nor billed here (router.ending).
                 bill = billing_fields(p, reason, device, span)
-                wrote = await self.ends.write_end(
-                    request_class=cls, entry_id=entry_id,
-                    consumer=self.config.consumer, request_id=e.request_id,
-                    event=queue.final_event(reason, p.usage(), p.router_key(), bill=bill["d"]),
-                    bill=bill)
-                if wrote is not Ended.WRITTEN:
-                    await self._let_go(p, wrote)
+                if not await self._end(cls, entry_id, p, bill=bill, event=queue.final_event(
+                        reason, p.usage(), p.router_key(), bill=bill["d"])):
                     return
-                self.bills.remember(e.request_id, bill)
                 faults.reached("billed")
                 record_usage(span, p, reason, device)
                 billed = True
@@ -323,27 +318,18 @@ class Dispatcher:
             except RequestFailed as exc:
                 span.set_status(trace.StatusCode.ERROR, exc.message)
                 span.set_attribute(vocab.ERROR_TYPE, exc.code)
-                wrote = await self.ends.write_end(
-                    request_class=cls, entry_id=entry_id,
-                    consumer=self.config.consumer, request_id=e.request_id,
-                    event=queue.error_event(exc.code, exc.message, p.router_key()), bill=None)
-                if wrote is not Ended.WRITTEN:
-                    await self._let_go(p, wrote)
+                if not await self._end(cls, entry_id, p, event=queue.error_event(
+                        exc.code, exc.message, p.router_key())):
                     return
                 # Workers append to the stream themselves: after the error event nothing more
                 # can be, so what it holds now is exactly what the client got.
                 await sync_delivered(p, self.redis)
                 if p.delivered:  # tokens were produced and delivered: they are billed
-                    bill = billing_fields(p, "error", "", span)
                     # Refused only if the entry left us since the error event: its new owner
                     # finds the error and writes the bill (the ended-request path above).
-                    wrote = await self.ends.write_end(
-                        request_class=cls, entry_id=entry_id, consumer=self.config.consumer,
-                        request_id=e.request_id, event=None, bill=bill)
-                    if wrote is not Ended.WRITTEN:
-                        await self._let_go(p, wrote)
+                    if not await self._end(cls, entry_id, p,
+                                           bill=billing_fields(p, "error", "", span)):
                         return
-                    self.bills.remember(e.request_id, bill)
                     record_usage(span, p, "error", "")
                     billed = True
                 outcome = {"error_code": exc.code, "error_message": exc.message}
@@ -351,6 +337,20 @@ class Dispatcher:
                 if early_check is not None and not early_check.done():
                     early_check.cancel()   # the request ended first (it aborts nothing now)
             await self._finish(cls, entry_id, p, billed, outcome)
+
+    async def _end(self, cls: str, entry_id: str, p: RequestProgress, *,
+                   event: dict[str, str] | None = None, bill: dict[str, str] | None = None) -> bool:
+        """Writes the request's end event and/or bill while this router holds its entry
+        (router.ending) and keeps the bill for a replay; False: let go, nothing more to do."""
+        wrote = await self.ends.write_end(request_class=cls, entry_id=entry_id,
+                                          consumer=self.config.consumer,
+                                          request_id=p.entry.request_id, event=event, bill=bill)
+        if wrote is not Ended.WRITTEN:
+            await self._let_go(p, wrote)
+            return False
+        if bill is not None:
+            self.bills.remember(p.entry.request_id, bill)
+        return True
 
     async def _let_go(self, p: RequestProgress, why: Ended) -> None:
         """The request is no longer this router's to end (router.ending): nothing is written,
@@ -399,7 +399,7 @@ class Dispatcher:
 
     async def _after_data_loss(self) -> None:
         """Entries read from the lost Redis are dropped before they run (running ones are
-        aborted: their end is refused anyway), and batch-job bills are written again."""
+        aborted: their end is refused anyway), and this router's recent bills written again."""
         # Judged: what was held before asking (an entry read from the new Redis meanwhile is
         # pending, but XPENDING was asked before it existed).
         before = list(self.held.items())
@@ -573,16 +573,15 @@ class Dispatcher:
         self._dispatch_ready()
 
     def _give_up_entry(self, cls: str, entry_id: str) -> None:
-        """An entry this router held is another's now (it stalled past claim_idle_ms) or gone:
-        not run here, and a running one is aborted (its end would be refused: router.ending)."""
+        """An entry waiting here is another router's now (this one stalled past claim_idle_ms)
+        or gone: never run here. A running one is left to its end script, which refuses it
+        (and its entry may just have been acknowledged by _finish); aborting it by request id
+        could abort the new owner's attempt on the same worker."""
         held = self.held.get((cls, entry_id))
-        if held is None or held.dropped:
+        if held is None or held.dropped or held.progress.entry.request_id in self.running:
             return
         log.warning("request %s: its %s entry %s is no longer this router's (taken over after a "
                     "stall, or gone); letting it go", held.progress.entry.request_id, cls, entry_id)
-        # A running one is left to end: its worker's tokens are refused once the new owner's
-        # attempt writes (llmmesh.streamauth), and its end here is refused. Aborting it by
-        # request id could abort the new owner's attempt on the same worker.
         self._drop(held)
 
     def _drop(self, held: Held) -> bool:
