@@ -15,7 +15,8 @@ import grpc
 import httpx
 
 from bench.cost import costd_bill
-from bench.peers.llamacpp import LlamaServer, llamacpp_version, parse_metrics
+from bench.peers.llamacpp import (LlamaServer, ServerBuild, choose_server_build,
+                                  llamacpp_version, parse_metrics)
 from bench.workload import RequestSpec
 from llmmesh import mtls
 from llmmesh.identity import Role
@@ -270,9 +271,13 @@ class LlamaCppTarget:
         self.server = LlamaServer(resolve_model().gguf_path, free_port(), parallel=parallel,
                                   threads=threads,
                                   log_path=os.path.join(var_dir, "llama-server.log"))
+        self.build: ServerBuild | None = None
 
     async def start(self) -> None:
-        await self.server.start()
+        s = self.server
+        self.build = await asyncio.to_thread(choose_server_build, s.gguf_path, s.threads)
+        s.variant = self.build.variant
+        await s.start()
         self.client = httpx.AsyncClient(base_url=self.server.url, timeout=httpx.Timeout(None),
                                         limits=httpx.Limits(max_connections=None,
                                                             max_keepalive_connections=None))
@@ -304,7 +309,8 @@ class LlamaCppTarget:
                 f"--parallel {s.parallel}, -c {s.parallel * s.ctx_per_slot} "
                 f"({s.ctx_per_slot} per slot), "
                 + (f"-t {s.threads}" if s.threads else "threads: llama.cpp's default")
-                + ", continuous batching")
+                + ", continuous batching"
+                + (f"; build: {self.build.variant} ({self.build.reason})" if self.build else ""))
 
     async def stop(self) -> None:
         if hasattr(self, "client"):

@@ -223,29 +223,34 @@ async def serve(spec: ServiceSpec, listen: str, *, grace_s: float = 5.0,
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*spec.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
-    port = _add_port(server, spec, listen)
-    if port == 0:
-        raise RuntimeError(f"cannot listen on {listen}")
-    address = f"{listen.rsplit(':', 1)[0]}:{port}"
-    await server.start()
-    for name in ["", *spec.service_names]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    watch = asyncio.create_task(_report_health(spec, health_servicer)) if spec.healthy else None
-    log.info("serving %s on %s", ", ".join(spec.service_names), address)
-    if ready:
-        ready(address)
-    stop = stop_event or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("stopping: draining calls for up to %.1fs", grace_s)
-    if watch is not None:
-        watch.cancel()
-    await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace_s)
-    for hook in spec.on_shutdown:
-        await hook()
+    # The shutdown hooks run also when it could not start (its port taken): they stop what the
+    # service started before it (its supervised loops, an HTTP front), and the process exits
+    # instead of waiting on them.
+    try:
+        port = _add_port(server, spec, listen)
+        if port == 0:
+            raise RuntimeError(f"cannot listen on {listen}")
+        address = f"{listen.rsplit(':', 1)[0]}:{port}"
+        await server.start()
+        for name in ["", *spec.service_names]:
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        watch = asyncio.create_task(_report_health(spec, health_servicer)) if spec.healthy else None
+        log.info("serving %s on %s", ", ".join(spec.service_names), address)
+        if ready:
+            ready(address)
+        stop = stop_event or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("stopping: draining calls for up to %.1fs", grace_s)
+        if watch is not None:
+            watch.cancel()
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace_s)
+    finally:
+        for hook in spec.on_shutdown:
+            await hook()
 
 
 HEALTH_POLL_S = 0.5

@@ -19,6 +19,9 @@ BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 5.0
 # A loop that ran this long before failing starts again from the first delay.
 STABLE_AFTER_S = 30.0
+# stop() cancels a loop again this often while it runs on, for at most STOP_TIMEOUT_S.
+RECANCEL_S = 0.05
+STOP_TIMEOUT_S = 5.0
 
 
 class Supervisor:
@@ -28,6 +31,7 @@ class Supervisor:
         self.checks: dict[str, Callable[[], Awaitable[bool]]] = {}
         self._failed_checks: set[str] = set()
         self.num_restarts = 0
+        self._stopping = False
 
     def start(self, name: str, loop: Callable[[], Awaitable[None]]) -> asyncio.Task:
         task = asyncio.create_task(self._keep_running(name, loop), name=name)
@@ -51,6 +55,8 @@ class Supervisor:
             except Exception as exc:  # noqa: BLE001 - the one place a loop's failure is caught
                 reason = f"{type(exc).__name__}: {exc}"
                 log.exception("background task %s failed; starting it again", name)
+            if self._stopping:   # it ended after its cancellation was lost: not restarted
+                return
             if time.monotonic() - started > STABLE_AFTER_S:
                 failures = 0
             delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** failures) * random.uniform(0.5, 1.0)
@@ -79,9 +85,25 @@ class Supervisor:
         return not failed and not self.down
 
     async def stop(self) -> None:
-        for task in self.tasks.values():
-            task.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        """Cancel every loop and wait until each has ended.
+
+        One cancel is not always enough: on Python 3.11, `asyncio.wait_for` returns the result
+        instead of raising CancelledError when the call it waits on finishes in the same tick
+        (gh-86296), and redis-py wraps every socket write in one. The loop then runs on, and a
+        wait for it (this one, or `asyncio.run`'s own at exit) never ends: the process hangs
+        instead of exiting. So a loop still running is cancelled again, every RECANCEL_S, for at
+        most STOP_TIMEOUT_S; one that outlives that is logged and left behind."""
+        self._stopping = True
+        pending = {t for t in self.tasks.values() if not t.done()}
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while pending:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=RECANCEL_S)
+            if pending and time.monotonic() > deadline:
+                log.error("background tasks %s did not stop within %.0fs",
+                          sorted(t.get_name() for t in pending), STOP_TIMEOUT_S)
+                return
 
 
 def redis_check(redis) -> Callable[[], Awaitable[bool]]:

@@ -40,6 +40,13 @@ class CircuitBreaker:
             return self.clock() - self.opened_at >= self.open_s
         return not self.probing
 
+    def wants_probe(self) -> bool:
+        """Open, and its cool-down is over: the next request sent here is the probe that can
+        close it. Placement prefers such a worker, because a policy that never picks it (prefix
+        affinity sends a shared system prompt to the worker that cached it) would leave the
+        circuit open for good."""
+        return self.state is CircuitState.OPEN and self.available()
+
     def on_dispatch(self) -> bool:
         """Count a request sent to the worker; True if it is the half-open probe."""
         if self.state is CircuitState.OPEN and self.available():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import json
 import logging
 import time
@@ -111,6 +112,9 @@ class Dispatcher:
         self.bills = billing.RecentBills()
         self.ends = EndScripts(redis)
         self.drain = DrainMeter(config.consumer)
+        # (deadline, class, entry id) of each held entry that has one: one that passes while
+        # the entry still waits for a slot here ends it at once (_expire_waiting).
+        self._deadlines: list[tuple[int, str, str]] = []
 
     async def ensure_groups(self) -> None:
         for cls in CLASSES:
@@ -135,22 +139,32 @@ class Dispatcher:
                 continue
             self._dispatch_ready()
 
-    def _slots(self) -> tuple[int, int]:
+    def _slots(self) -> tuple[int, int, int]:
+        """(free slots, all slots, where an interactive request can start: free slots and seats
+        it may take from batch past the slot cap)."""
         workers = [h for h in self.registry.workers.values() if h.healthy]
-        return sum(h.free_slots for h in workers), sum(h.max_inflight for h in workers)
+        share = self.config.class_policy.batch_min_share
+        return (sum(h.free_slots for h in workers), sum(h.max_inflight for h in workers),
+                sum(h.interactive_room(share) for h in workers))
 
     async def _fill(self) -> None:
+        self._expire_waiting()
         room = self.config.prefetch - len(self.sched)
-        free, total = self._slots()
-        if room <= 0 or (len(self.sched) and free <= 0):
-            # Nothing can be read or nothing held can go: wait for a request to end.
+        free, total, interactive_free = self._slots()
+        if room <= 0 or (len(self.sched) and free <= 0 and interactive_free <= 0):
+            # Nothing can be read or nothing held can go: wait for a request to end, or for
+            # the next deadline of an entry that waits here.
             self._slot_freed.clear()
+            wait_s = 0.05
+            if self._deadlines:
+                wait_s = min(wait_s, max(0.0, (self._deadlines[0][0] - time.time_ns()) / 1e9))
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._slot_freed.wait(), 0.05)
+                await asyncio.wait_for(self._slot_freed.wait(), wait_s)
+            self._expire_waiting()
             if room <= 0:
                 return
             block = None
-        elif self.sched.ready(free, total, self._batch_inflight):
+        elif self.sched.ready(free, total, self._batch_inflight, interactive_free):
             block = None        # something goes now: only pick up what already arrived
         elif len(self.sched):
             # Held batch work waits for batch's share of the slots: a new interactive entry
@@ -183,6 +197,27 @@ class Dispatcher:
         held = Held(cls, entry_id, RequestProgress(entry), fresh)
         self.held[cls, entry_id] = held
         self.sched.push(cls, entry.tenant_id, held, cost)
+        if entry.deadline_unix_ns:
+            if len(self._deadlines) > 2 * len(self.held) + 64:
+                # Those of entries that ended first stay until their time: drop them now and
+                # then, so long deadlines at a high rate cannot grow the heap without bound.
+                self._deadlines = [d for d in self._deadlines if (d[1], d[2]) in self.held]
+                heapq.heapify(self._deadlines)
+            heapq.heappush(self._deadlines, (entry.deadline_unix_ns, cls, entry_id))
+
+    def _expire_waiting(self) -> None:
+        """Ends each entry whose deadline passed while it waited here for a slot: DEADLINE_EXCEEDED
+        at its deadline, not when a slot frees (F2: behind a slow worker's full slots, that was
+        120 ms and more late; with no worker at all, never until one came). It goes through
+        _start, whose _attempts ends it before any worker is picked."""
+        now = time.time_ns()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, cls, entry_id = heapq.heappop(self._deadlines)
+            held = self.held.get((cls, entry_id))
+            if held is None or held.dropped or held.progress.entry.request_id in self.running:
+                continue   # ended, let go or running: its attempt watches the deadline
+            if self.sched.remove(cls, held.progress.entry.tenant_id, held):
+                self._start(held)
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -208,8 +243,8 @@ class Dispatcher:
 
     def _dispatch_ready(self) -> None:
         while True:
-            free, total = self._slots()
-            picked = self.sched.pop(free, total, self._batch_inflight)
+            free, total, interactive_free = self._slots()
+            picked = self.sched.pop(free, total, self._batch_inflight, interactive_free)
             if picked is None:
                 return
             self._start(picked[1])
@@ -373,14 +408,12 @@ class Dispatcher:
         wait bound (llmmesh.drain)."""
         while True:
             running = {c: 0 for c in CLASSES}
-            interactive: dict[str, int] = {}    # worker -> this router's interactive there
             for held in list(self.running.values()):
                 running[held.request_class] += 1
-                if held.request_class == RequestClass.INTERACTIVE and held.progress.worker_ids:
-                    w = held.progress.worker_ids[-1]
-                    interactive[w] = interactive.get(w, 0) + 1
+            share = self.config.class_policy.batch_min_share
             workers = {h.worker_id: WorkerSeats(h.max_running or h.max_inflight, h.max_inflight,
-                                                h.num_inflight, interactive.get(h.worker_id, 0))
+                                                h.num_inflight, h.num_interactive,
+                                                h.interactive_seats(share))
                        for h in self.registry.workers.values() if h.serving}
             self.drain.changed.clear()
             try:
@@ -465,7 +498,9 @@ class Dispatcher:
         while p.attempts < MAX_ATTEMPTS:
             if p.cancelled:
                 raise RequestFailed("CANCELLED", "request cancelled by the client")
-            worker = await self._pick(e)
+            # A request that broke off mid-stream goes to a serving worker at once, past the
+            # slot cap: its client waits between two tokens (the engine seats it ahead too).
+            worker = await self._pick(e, resuming=bool(p.delivered))
             if p.cancelled:   # the client went away while the request waited for a worker
                 raise RequestFailed("CANCELLED", "request cancelled by the client")
             if self.metrics is not None and p.attempts == 0:
@@ -473,6 +508,8 @@ class Dispatcher:
             p.worker_ids.append(worker.worker_id)
             probe = worker.breaker.on_dispatch() if worker.breaker else False
             worker.num_inflight += 1
+            interactive = e.request_class == RequestClass.INTERACTIVE
+            worker.num_interactive += interactive
             self.drain.changed.set()
             try:
                 reason = await run_attempt(p, worker, self.redis)
@@ -484,6 +521,7 @@ class Dispatcher:
                 raise
             finally:
                 worker.num_inflight -= 1
+                worker.num_interactive -= interactive
                 self._slot_freed.set()
                 self.drain.changed.set()
             p.attempts += 1
@@ -600,10 +638,16 @@ class Dispatcher:
                                                max=entry_id, count=1)
         return int(info[0]["times_delivered"]) if info else 0
 
-    async def _pick(self, entry: queue.QueueEntry) -> WorkerHandle:
+    async def _pick(self, entry: queue.QueueEntry, resuming: bool = False) -> WorkerHandle:
         started = time.monotonic()
         while True:
-            worker = place(self.policy, entry, self.registry.available(),
+            if resuming:
+                candidates = self.registry.serving()
+            elif entry.request_class == RequestClass.INTERACTIVE:
+                candidates = self.registry.available(self.config.class_policy.batch_min_share)
+            else:
+                candidates = self.registry.available()
+            worker = place(self.policy, entry, candidates,
                            list(self.registry.workers.values()), time.monotonic() - started)
             if worker is not None:
                 self.policy.on_dispatched(entry, worker)

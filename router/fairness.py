@@ -52,13 +52,28 @@ class DeficitRoundRobin(Generic[T]):
             self._queues.move_to_end(tenant)
         return None
 
+    def remove(self, tenant: str, item: T) -> bool:
+        """Take `item` out wherever it waits (it expired there); False if it is not here."""
+        q = self._queues.get(tenant)
+        for i, (queued, _) in enumerate(q or ()):
+            if queued is item:
+                del q[i]
+                self._len -= 1
+                if not q:   # as pop: an idle tenant keeps no credit
+                    del self._queues[tenant]
+                    del self._deficit[tenant]
+                return True
+        return False
+
     def tenants(self) -> list[str]:
         return list(self._queues)
 
 
 @dataclass(frozen=True, slots=True)
 class ClassPolicy:
-    # Batch gets at least this share of dispatches whenever it has work waiting.
+    # Batch gets at least this share of dispatches whenever it has work waiting, and keeps this
+    # share of each worker's seats: interactive requests go past a worker's slot cap to take
+    # seats from batch (its engine preempts batch for them) only up to the rest.
     batch_min_share: float = 0.2
     # Batch may fill at most this share of the fleet's router-side slots, so an interactive
     # arrival always finds room. Workers advertise their running-batch size plus a quarter as
@@ -85,6 +100,9 @@ class ClassScheduler(Generic[T]):
     def push(self, request_class: str, tenant: str, item: T, cost: int) -> None:
         self.queues[request_class].push(tenant, item, cost)
 
+    def remove(self, request_class: str, tenant: str, item: T) -> bool:
+        return self.queues[request_class].remove(tenant, item)
+
     def _batch_starved(self) -> bool:
         if not self._recent:
             return False
@@ -93,28 +111,32 @@ class ClassScheduler(Generic[T]):
     def _batch_room(self, total_slots: int, batch_inflight: int) -> bool:
         return batch_inflight < self.policy.batch_max_slot_share * total_slots
 
-    def ready(self, free_slots: int, total_slots: int, batch_inflight: int) -> bool:
+    def ready(self, free_slots: int, total_slots: int, batch_inflight: int,
+              interactive_free: int | None = None) -> bool:
         """Whether pop would hand out something now."""
-        if free_slots <= 0:
-            return False
-        batch_room = self._batch_room(total_slots, batch_inflight)
-        return any(len(q) and (c != RequestClass.BATCH or batch_room)
-                   for c, q in self.queues.items())
+        return self._order(free_slots, total_slots, batch_inflight, interactive_free) != []
 
-    def pop(self, free_slots: int, total_slots: int, batch_inflight: int) -> tuple[str, T] | None:
-        """Next (class, item) to dispatch given the fleet's slots, or None."""
-        if free_slots <= 0:
-            return None
-        batch_room = self._batch_room(total_slots, batch_inflight)
-        order = list(self.queues)
-        if len(self.queues[RequestClass.BATCH]) and batch_room and self._batch_starved():
-            order.remove(RequestClass.BATCH)
-            order.insert(0, RequestClass.BATCH)   # its guaranteed share comes first
-        for cls in order:
-            if cls == RequestClass.BATCH and not batch_room:
-                continue
+    def pop(self, free_slots: int, total_slots: int, batch_inflight: int,
+            interactive_free: int | None = None) -> tuple[str, T] | None:
+        """Next (class, item) to dispatch given the fleet's slots, or None. `interactive_free`:
+        where an interactive request can start (free slots plus seats it may take from batch;
+        default free_slots)."""
+        for cls in self._order(free_slots, total_slots, batch_inflight, interactive_free):
             item = self.queues[cls].pop()
             if item is not None:
                 self._recent.append(cls)
                 return cls, item
         return None
+
+    def _order(self, free_slots: int, total_slots: int, batch_inflight: int,
+               interactive_free: int | None) -> list[str]:
+        """The classes with work that may go now, in the order they go."""
+        room = {RequestClass.INTERACTIVE:
+                free_slots if interactive_free is None else interactive_free,
+                RequestClass.BATCH:
+                free_slots if self._batch_room(total_slots, batch_inflight) else 0}
+        order = [c for c in self.queues if len(self.queues[c]) and room[c] > 0]
+        if RequestClass.BATCH in order and self._batch_starved():
+            order.remove(RequestClass.BATCH)
+            order.insert(0, RequestClass.BATCH)   # its guaranteed share comes first
+        return order

@@ -80,19 +80,23 @@ class PrefixAffinity:
 def place(policy: Policy, entry: QueueEntry, available: list[WorkerHandle],
           fleet: list[WorkerHandle], waited_s: float) -> WorkerHandle | None:
     """Model-aware placement in front of any policy. Only workers that serve the request's
-    model are candidates; one where it is loaded wins (the policy picks among those: load and
-    prefix affinity); else one where it is loading (the request waits there); else a cold
-    start, but only once the request has waited for a warm slot as long as the cold start would
-    take (never wait longer for a busy warm worker than loading it elsewhere costs). A cold
-    start goes where the model fits without unloading anything, then where an idle model can
-    make room, the least loaded first. None: wait (and ask again)."""
+    model are candidates; one where it is loaded wins (a worker whose circuit waits for its
+    probe first, else the policy picks among those: load and prefix affinity); else one where
+    it is loading (the request waits there); else a cold start, but only once the request has
+    waited for a warm slot as long as the cold start would take (never wait longer for a busy
+    warm worker than loading it elsewhere costs). A cold start goes where the model fits
+    without unloading anything, then where an idle model can make room, the least loaded
+    first. None: wait (and ask again)."""
     model = entry.model
     # One read of each worker's model table (built from its last GetLoad or lease).
     served = {h: h.models().get(model) for h in available}
     serving = [h for h, m in served.items() if m is not None]
     warm = [h for h in serving if served[h][0] == "loaded"]
     if warm:
-        return policy.select_worker(entry, warm)
+        # One request probes a worker whose circuit has cooled down, whatever the policy would
+        # pick: otherwise it may never get one (a failed probe is retried elsewhere).
+        probe = next((h for h in warm if h.breaker is not None and h.breaker.wants_probe()), None)
+        return probe or policy.select_worker(entry, warm)
     loading = [h for h in serving if served[h][0] == "loading"]
     if loading:
         return min(loading, key=_load_ratio)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -41,6 +42,7 @@ class WorkerHandle:
     channel: grpc.aio.Channel
     stub: worker_pb2_grpc.WorkerServiceStub
     num_inflight: int = 0
+    num_interactive: int = 0    # of num_inflight, the interactive requests
     load: worker_pb2.GetLoadResponse | None = None
     # Block hashes the worker reports as cached (the shared index in Redis).
     cached_hashes: frozenset[int] = frozenset()
@@ -88,6 +90,21 @@ class WorkerHandle:
         if not self.serving:
             return 0
         return self.max_inflight - self.num_inflight
+
+    def interactive_seats(self, batch_seat_share: float) -> int:
+        """Seats an interactive request may take from batch work: the engine preempts a running
+        batch request for it, so it need not wait for a router slot while batch holds them.
+        `batch_seat_share` of the seats stays batch's, so a flood of chat never stops batch."""
+        seats = self.max_running or self.max_inflight
+        return seats - math.ceil(batch_seat_share * seats)
+
+    def interactive_room(self, batch_seat_share: float) -> int:
+        """Interactive requests this router can start here now: a free slot, or a seat batch
+        holds (past the slot cap)."""
+        if not self.serving:
+            return 0
+        return max(self.free_slots,
+                   self.interactive_seats(batch_seat_share) - self.num_interactive)
 
 
 def _lease_models(info: dict) -> list[dict]:
@@ -176,8 +193,16 @@ class WorkerRegistry:
                 log.warning("registry refresh failed: %s", exc)
             await asyncio.sleep(self.refresh_s)
 
-    def available(self) -> list[WorkerHandle]:
-        return [h for h in self.workers.values() if h.free_slots > 0]
+    def available(self, batch_seat_share: float | None = None) -> list[WorkerHandle]:
+        """With a free slot; for an interactive request (given the share of seats kept for
+        batch), also where it can take a seat from batch."""
+        if batch_seat_share is None:
+            return [h for h in self.workers.values() if h.free_slots > 0]
+        return [h for h in self.workers.values() if h.interactive_room(batch_seat_share) > 0]
+
+    def serving(self) -> list[WorkerHandle]:
+        """Healthy with a closed circuit, with a free slot or not."""
+        return [h for h in self.workers.values() if h.serving]
 
     async def close(self) -> None:
         for h in self.workers.values():

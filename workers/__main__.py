@@ -58,6 +58,10 @@ def _args() -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=int(env("LLMMESH_MAX_NUM_SEQS", "32")))
     p.add_argument("--kv-cache-mib", type=int, default=int(env("LLMMESH_KV_CACHE_MIB", "512")),
                    help="each model's KV pool unless its catalog entry sets kv_cache_mib")
+    p.add_argument("--kv-cache-dtype", default=env("LLMMESH_KV_CACHE_DTYPE", "auto"),
+                   choices=("auto", "float32", "float16", "bfloat16"),
+                   help="the KV cache's element type (auto: --dtype); float16 holds twice the "
+                        "tokens in the same --kv-cache-mib")
     p.add_argument("--block-size", type=int, default=int(env("LLMMESH_BLOCK_SIZE", "16")))
     p.add_argument("--batch-tokens-with-interactive", type=int,
                    default=int(env("LLMMESH_BATCH_TOKENS_WITH_INTERACTIVE", "8")),
@@ -117,7 +121,7 @@ async def main() -> None:
     server.configure_logging("worker")
     identity = MeshIdentity.from_env(Role.WORKER)   # before the model: a missing cert fails fast
     tracer = telemetry.setup_tracing("llmmesh-worker", args.otlp_endpoint, identity)
-    base = EngineConfig(device=args.device, dtype=args.dtype,
+    base = EngineConfig(device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                         block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20,
                         max_num_seqs=args.max_num_seqs, num_threads=args.threads,
                         batch_tokens_with_interactive=args.batch_tokens_with_interactive,

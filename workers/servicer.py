@@ -1,13 +1,16 @@
 """WorkerService: a thin edge over AsyncEngine (proto <-> domain, stop strings, spans)."""
 from __future__ import annotations
 
+import asyncio
 import time
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from redis.exceptions import RedisError
 
 from llmmesh import queue, telemetry, vocab
-from llmmesh.errors import Aborted, DeadlineExceeded, Internal, InvalidArgument, NotFound, Unavailable
+from llmmesh.errors import (Aborted, AlreadyExists, DeadlineExceeded, Internal, InvalidArgument,
+                            NotFound, Unavailable)
 from llmmesh.tokenizer import IncrementalDetokenizer
 from llmmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from llmmesh.vocab import FinishReason, RequestClass
@@ -21,6 +24,22 @@ from workers.engine.sampling import SamplingParams
 # before the final. Interactive tokens go out as they come.
 BATCH_CHUNK_TOKENS = 16
 BATCH_CHUNK_S = 0.25
+
+# How long a newer attempt waits for the older attempt it replaces to leave the engine (one step,
+# normally) before it gives up with ALREADY_EXISTS.
+REPLACE_WAIT_S = 5.0
+
+
+@dataclass
+class _Attempt:
+    """The attempt of a request that runs on this worker. `engine_id`: the request's id in the
+    engine, one per attempt, so that an abort meant for an old attempt never reaches the new
+    one. `replaced`: a newer attempt took its place; it writes nothing more to the result
+    stream."""
+    number: int
+    engine_id: str
+    replaced: bool = False
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def _end_marker(reason: str, usage) -> dict:
@@ -72,6 +91,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.num_requests_total = 0
         self.num_prompt_tokens_total = 0
         self.num_cached_prompt_tokens_total = 0
+        self._attempts: dict[str, _Attempt] = {}   # request id -> the attempt running here
+
+    async def _take_place(self, request) -> _Attempt:
+        """Register this attempt of the request. An older attempt still running here (its router
+        died, or gave the entry up, and its call has not been torn down yet) is replaced: a
+        takeover's attempt number is higher (llmmesh.streamauth.attempt_number). The older one is
+        aborted and writes nothing more. The same or an older attempt gets ALREADY_EXISTS."""
+        rid = request.request_id
+        while (old := self._attempts.get(rid)) is not None:
+            if not request.attempt_key or request.attempt <= old.number:
+                raise AlreadyExists(f"request_id {rid!r} is already in flight on this worker "
+                                    f"(attempt {old.number})")
+            old.replaced = True
+            self.engine.abort(old.engine_id)
+            try:
+                await asyncio.wait_for(old.ended.wait(), REPLACE_WAIT_S)
+            except TimeoutError:
+                raise AlreadyExists(f"request_id {rid!r}: attempt {old.number} did not leave this "
+                                    f"worker within {REPLACE_WAIT_S:.0f} s") from None
+        engine_id = f"{rid}#{request.attempt}" if request.attempt_key else rid
+        self._attempts[rid] = attempt = _Attempt(request.attempt, engine_id)
+        return attempt
 
     async def Generate(self, request, context):
         if request.model not in self.host.servable():
@@ -83,6 +124,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             raise DeadlineExceeded("deadline passed before the worker started the request")
         parent = telemetry.extract_context(dict(context.invocation_metadata() or ()))
         operation = request.operation or vocab.TEXT_COMPLETION
+        attempt = await self._take_place(request)
+        try:
+            async for msg in self._generate(request, attempt, operation, parent):
+                yield msg
+        finally:
+            if self._attempts.get(request.request_id) is attempt:
+                del self._attempts[request.request_id]
+            attempt.ended.set()
+
+    async def _generate(self, request, attempt: _Attempt, operation: str, parent):
         # Loads the model first when it is not loaded here (within the request's deadline).
         async with self.host.use(request.model, request.deadline_unix_ns) as hosted:
             sampling = _sampling(request.sampling, hosted.tokenizer.stop_token_ids)
@@ -98,10 +149,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                                      vocab.WORKER_ID: self.worker_id,
                                      vocab.DEVICE_TYPE: self.device_type,
                                      vocab.QUANTIZATION: hosted.quantization})
-                async for msg in self._stream(request, sampling, span, hosted.tokenizer):
+                async for msg in self._stream(request, attempt, sampling, span, hosted.tokenizer):
                     yield msg
 
-    async def _stream(self, request, sampling, span, tokenizer):
+    async def _stream(self, request, attempt: _Attempt, sampling, span, tokenizer):
         matcher = StopStringMatcher(tokenizer, list(request.sampling.stop))
         index = request.start_index
         # Tokens go straight to the request's result stream when it names one (one hop less
@@ -122,15 +173,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             return
         request_class = RequestClass.from_proto(request.request_class)
         priority = Priority(request_class.priority)
-        outputs = self.engine.generate(request.request_id, list(request.prompt_token_ids), sampling,
+        outputs = self.engine.generate(attempt.engine_id, list(request.prompt_token_ids), sampling,
                                        priority=priority, cache_salt=request.cache_salt,
-                                       model=request.model, tenant=request.tenant_id)
+                                       model=request.model, tenant=request.tenant_id,
+                                       resumed=request.start_index > 0)
         ids: list[int] = []
         logprobs: list[float] = []
         oldest = 0.0
         written: list[int] = []   # appended to the result stream by this attempt
         try:
             async for out in outputs:
+                if attempt.replaced:
+                    raise Aborted(f"worker {self.worker_id}: a newer attempt of request "
+                                  f"{request.request_id} replaced attempt {attempt.number}")
                 # Tokens the engine made after a stop string matched (before the abort took
                 # effect) are dropped: the completion ends with the token that completed it.
                 if out.new_token_ids and not matcher.matched:
@@ -139,7 +194,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     ids += out.new_token_ids
                     logprobs += out.new_logprobs or []
                     if matcher.push(out.new_token_ids) and not out.finished:
-                        self.engine.abort(request.request_id)  # its final arrives as cancelled
+                        self.engine.abort(attempt.engine_id)  # its final arrives as cancelled
                 if out.finished and out.finish_reason == FinishReason.ERROR:
                     # An engine failure, not the request's fault: the router retries elsewhere
                     # (from the tokens it already relayed; a held chunk is computed again).
@@ -197,7 +252,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 prefill_seconds=usage.prefill_s)))
 
     async def Abort(self, request, context):
-        return worker_pb2.AbortResponse(aborted=self.engine.abort(request.request_id))
+        attempt = self._attempts.get(request.request_id)
+        return worker_pb2.AbortResponse(aborted=self.engine.abort(
+            attempt.engine_id if attempt else request.request_id))
 
     async def GetLoad(self, request, context):
         """Totals over the loaded models, and each servable model's state (what routers place

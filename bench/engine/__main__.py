@@ -82,7 +82,8 @@ def _header(args, argv: list[str], started: float, env: dict) -> list[str]:
         f"- machine: {env['machine']}; load average at start {env['load_average_at_start']}, "
         f"at end {load_end} (a shared host: compare rows of this run, not other runs)",
         f"- device (ours): {args.device}; threads: {args.threads} for every party; "
-        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; CPU GEMM tiles: {_kernel_isa()}",
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}; CPU GEMM tiles: {_kernel_isa()}; "
+        f"KV cache: {_kv_cache_dtype(args.device)}",
         f"- workload: {args.prompt_len}-token prompts, {args.new_tokens} greedy tokens, "
         f"{', '.join(map(str, args.concurrency))} concurrent sequences; best of {args.repeats}",
         f"- versions: python {env['python']}, torch {torch.__version__}, transformers "
@@ -93,6 +94,11 @@ def _header(args, argv: list[str], started: float, env: dict) -> list[str]:
         "is tg, @N S_TG; HF decode = (generate - one prefill) / tokens; ours counts pure-decode "
         "steps; end-to-end = generated tokens / wall time of the whole batch.",
     ]
+
+
+def _kv_cache_dtype(device: str) -> str:
+    from workers.engine import EngineConfig
+    return str(EngineConfig(device=device).kv_torch_dtype).removeprefix("torch.")
 
 
 def _kernel_isa() -> str:

@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bench.peers.llamacpp import llamacpp_bin
+from bench.peers.llamacpp import (Builds, batched_bench_argv, batched_bench_rows, llamacpp_bin,
+                                  llamacpp_builds)
+
+CELLS = ("prefill_tps", "decode_tps", "e2e_tps")
 
 
 @dataclass
@@ -22,6 +25,8 @@ class PeerResult:
     e2e_tps: dict[int, float] = field(default_factory=dict)
     note: str = ""
     fallbacks: list[str] = field(default_factory=list)
+    # llama.cpp: each build's own cells, of which the cells above keep the best
+    builds: dict[str, PeerResult] = field(default_factory=dict)
 
 
 def _run_json(argv: list[str], timeout_s: float, env: dict[str, str] | None = None) -> str:
@@ -31,20 +36,45 @@ def _run_json(argv: list[str], timeout_s: float, env: dict[str, str] | None = No
 
 
 def llamacpp(gguf_path: str, threads: int, concurrency: list[int], prompt_len: int,
-             new_tokens: int, repeats: int) -> PeerResult:
-    """Best of llama.cpp with OpenMP threads sleeping (PASSIVE) and spinning (its default):
-    on a loaded host spinning collapsed its batched decode ~10x, on a quiet one it is faster."""
-    result = PeerResult("llama.cpp")
+             new_tokens: int, repeats: int, builds: Builds | None = None) -> PeerResult:
+    """Best per cell over the builds that differ on this CPU (llamacpp_builds) and, per build,
+    over OpenMP threads sleeping (PASSIVE) and spinning (its default): on a loaded host
+    spinning collapsed its batched decode ~10x, on a quiet one it is faster."""
+    builds = builds or llamacpp_builds()
     spinning = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    # Spinning gets one try: under load its 32-sequence run took 4+ minutes.
-    for env, tries in (({**spinning, "OMP_WAIT_POLICY": "PASSIVE"}, repeats), (spinning, 1)):
-        _llamacpp_once(result, env, gguf_path, threads, concurrency, prompt_len, new_tokens,
-                       tries)
+    per_build = {}
+    for variant in builds.variants:
+        one = per_build[variant] = PeerResult(f"llama.cpp {variant}")
+        # Spinning gets one try: under load its 32-sequence run took 4+ minutes.
+        for env, tries in (({**spinning, "OMP_WAIT_POLICY": "PASSIVE"}, repeats), (spinning, 1)):
+            _llamacpp_once(one, variant, env, gguf_path, threads, concurrency, prompt_len,
+                           new_tokens, tries)
+    result = best_per_cell("llama.cpp", per_build)
     result.note = ("best per cell of OMP_WAIT_POLICY=PASSIVE (best of the repeats) and unset "
-                   "(spinning, one try)")
+                   f"(spinning, one try); builds: {builds.reason}")
     if result.fallbacks:
         result.note += "; " + "; ".join(sorted(set(result.fallbacks)))
     return result
+
+
+def best_per_cell(name: str, per_build: dict[str, PeerResult]) -> PeerResult:
+    """One result holding each cell's best over the builds, and the builds themselves."""
+    result = PeerResult(name, builds=per_build)
+    for one in per_build.values():
+        for cell in CELLS:
+            for n, value in getattr(one, cell).items():
+                _keep_best(getattr(result, cell), n, value)
+    named = len(per_build) > 1
+    result.fallbacks = [f"{variant} build: {f}" if named else f
+                        for variant, one in per_build.items() for f in one.fallbacks]
+    return result
+
+
+def winning_build(result: PeerResult, cell: str, n: int) -> str | None:
+    """The build whose figure a best-per-cell result kept (the first on a tie)."""
+    timed = {v: getattr(one, cell)[n] for v, one in result.builds.items()
+             if n in getattr(one, cell)}
+    return max(timed, key=timed.__getitem__) if timed else None
 
 
 def _run_with_repack_fallback(result: PeerResult, argv: list[str], no_repack: list[str],
@@ -62,14 +92,14 @@ def _keep_best(table: dict[int, float], key: int, value: float) -> None:
     table[key] = max(table.get(key, 0.0), value)
 
 
-def _llamacpp_once(result: PeerResult, env: dict[str, str], gguf_path: str, threads: int,
-                   concurrency: list[int], prompt_len: int, new_tokens: int,
+def _llamacpp_once(result: PeerResult, variant: str, env: dict[str, str], gguf_path: str,
+                   threads: int, concurrency: list[int], prompt_len: int, new_tokens: int,
                    repeats: int) -> None:
     # Prompt and generation as separate llama-bench runs: a -march=native build on a CPU with
     # AMX crashed (SIGSEGV in ggml_backend_amx_mul_mat) on every multi-token batch with weight
     # repacking on, while single-token decode with repacking is its fastest path. Each cell
     # falls back to --repack 0 only if the default crashes, and the note says so.
-    base = [llamacpp_bin("llama-bench"), "-m", gguf_path, "-t", str(threads),
+    base = [llamacpp_bin("llama-bench", variant), "-m", gguf_path, "-t", str(threads),
             "-r", str(max(repeats, 2)), "-o", "json"]
     for test in (["-p", str(prompt_len), "-n", "0"], ["-p", "0", "-n", str(new_tokens)]):
         bench = json.loads(_run_with_repack_fallback(
@@ -79,15 +109,11 @@ def _llamacpp_once(result: PeerResult, env: dict[str, str], gguf_path: str, thre
                        row["avg_ts"])
     parallel = [n for n in concurrency if n > 1]
     if parallel:
-        ctx = max(parallel) * (prompt_len + new_tokens) + 256
+        argv = batched_bench_argv(variant, gguf_path, threads, prompt_len, new_tokens, parallel)
         for _ in range(repeats):
-            out = _run_with_repack_fallback(
-                result, [llamacpp_bin("llama-batched-bench"), "-m", gguf_path,
-                         "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-kvu",
-                         "-npp", str(prompt_len), "-ntg", str(new_tokens),
-                         "-npl", ",".join(map(str, parallel)), "--output-format", "jsonl"],
-                ["--no-repack"], "llama-batched-bench", env)
-            for row in (json.loads(x) for x in out.splitlines() if x.startswith("{")):
+            out = _run_with_repack_fallback(result, argv, ["--no-repack"],
+                                            "llama-batched-bench", env)
+            for row in batched_bench_rows(out):
                 n = row["pl"]
                 _keep_best(result.prefill_tps, n, row["speed_pp"])
                 _keep_best(result.decode_tps, n, row["speed_tg"])

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from bench.engine import roofline
 from bench.engine.ours import ModeResult
-from bench.engine.peers import PeerResult
+from bench.engine.peers import PeerResult, winning_build
 
 
 def _fmt(value: float | None, digits: int = 0) -> str:
@@ -28,6 +28,22 @@ def throughput_table(modes: list[ModeResult], peers: list[PeerResult],
                  + [_fmt(r.decode_tps.get(n), 1) for n in concurrency]
                  + [_fmt(r.e2e_tps.get(concurrency[-1]), 1)])
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def build_table(peer: PeerResult, concurrency: list[int]) -> list[str]:
+    """Each llama.cpp cell per build and the build whose figure the tables above keep."""
+    variants = list(peer.builds)
+    lines = ["| cell | " + " | ".join(variants) + " | kept |", "|" + "---|" * (len(variants) + 2)]
+    for cell, label, counts, digits in (("prefill_tps", "prefill", concurrency, 0),
+                                        ("decode_tps", "decode", concurrency, 1),
+                                        ("e2e_tps", "end-to-end", concurrency[-1:], 1)):
+        for n in counts:
+            kept = winning_build(peer, cell, n)
+            if kept is None:
+                continue
+            values = [_fmt(getattr(peer.builds[v], cell).get(n), digits) for v in variants]
+            lines.append(f"| {label} @{n} | " + " | ".join(values) + f" | {kept} |")
     return lines
 
 
@@ -127,12 +143,23 @@ def plot(path: Path, modes: list[ModeResult], peers: list[PeerResult],
     plt.close(fig)
 
 
+def _builds(llama: PeerResult | None, concurrency: list[int]) -> list[str]:
+    if llama is None or not llama.builds:
+        return []
+    if len(llama.builds) == 1:
+        return ["", f"llama.cpp: every cell from its {next(iter(llama.builds))} build "
+                    "(why only one: Notes)."]
+    return (["", "## llama.cpp: the build behind each cell (tok/s; best per cell kept)", ""]
+            + build_table(llama, concurrency))
+
+
 def write_report(path: Path, header: list[str], modes: list[ModeResult],
                  peers: list[PeerResult], concurrency: list[int], verdicts: list[str],
                  roof: roofline.Roofline | None = None) -> None:
     by_name = {p.name: p for p in peers}
     lines = header + ["", "## Throughput (tok/s, higher is better)", ""]
     lines += throughput_table(modes, peers, concurrency)
+    lines += _builds(by_name.get("llama.cpp"), concurrency)
     lines += ["", "## Ours relative to the peers (same run)", ""]
     lines += ratio_table(modes, by_name, concurrency)
     lines += ["", "## Ours relative to llama.cpp as quoted in issue 3 (quiet host, not this run)",

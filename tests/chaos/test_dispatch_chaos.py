@@ -29,8 +29,8 @@ import pytest
 import redis
 
 from llmmesh import queue, streamauth
-from tests.chaos.chaoskit import (SCALE, STEP_DELAY_ENV, TINY, chaos_mesh, report, send,
-                                  tiny_catalog)
+from tests.chaos.chaoskit import (SCALE, STEP_DELAY_ENV, TINY, chaos_mesh, gc_pauses, report,
+                                  send, tiny_catalog)
 from tests.e2e.meshkit import wait_until, worker_load
 
 pytestmark = [pytest.mark.e2e]
@@ -283,7 +283,8 @@ def test_f2_short_deadlines_against_a_slow_worker(mesh):
     time.sleep(2.5)   # every router refreshed its registry since (worker0 gone, worker1 new)
     try:
         n = 40 * SCALE
-        results = send(mesh, n, "f2", max_tokens=16, concurrency=20, timeout_s=F2_DEADLINE_S)
+        with gc_pauses() as pauses:
+            results = send(mesh, n, "f2", max_tokens=16, concurrency=20, timeout_s=F2_DEADLINE_S)
         ended = time.monotonic()
         overshoot_ms = sorted((o.seconds - F2_DEADLINE_S) * 1000 for o in results
                               if o.code == grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -299,7 +300,8 @@ def test_f2_short_deadlines_against_a_slow_worker(mesh):
               f"{sum(o.num_tokens > 0 for o in results)} clients before their deadline; the "
               f"router wrote the error event p50 {_pct(server_ms, 0.5):.0f} ms, p99 "
               f"{_pct(server_ms, 0.99):.0f} ms, max {max(server_ms, default=0):.0f} ms after "
-              f"the deadline ({len(server_ms)} found)")
+              f"the deadline ({len(server_ms)} found); the client's own GC paused it "
+              f"{pauses.count} times, longest {1e3 * pauses.longest_s:.1f} ms")
         assert overshoot_ms, "no request hit its deadline: the worker is not slow enough"
         assert all(o.code in (None, grpc.StatusCode.DEADLINE_EXCEEDED) for o in results)
         assert running.num_running == 0 and running.num_waiting == 0

@@ -36,9 +36,9 @@ class FailingWorker(worker_pb2_grpc.WorkerServiceServicer):
             "127.0.0.1:0", mtls.server_credentials(MeshIdentity.from_env(Role.WORKER)))
         self.server.start()
 
-    def register(self, redis_url: str, worker_id: str = "failing") -> None:
+    def register(self, redis_url: str, worker_id: str = "failing", max_inflight: int = 4) -> None:
         info = {"worker_id": worker_id, "address": f"127.0.0.1:{self.port}",
-                "model": "smollm2-135m-instruct", "max_inflight": 4, "device_type": "cpu"}
+                "model": "smollm2-135m-instruct", "max_inflight": max_inflight, "device_type": "cpu"}
         redis.Redis.from_url(redis_url).set(queue.worker_key(worker_id), json.dumps(info), ex=60)
 
     def Generate(self, request, context):
@@ -116,6 +116,24 @@ def _signer(request) -> dict:
     return {"attempt": request.attempt, "key": request.attempt_key}
 
 
+def _append_three_tokens_and_die(redis_url: str, request, context) -> None:
+    """A worker that appended tokens 11, 12, 13 to the result stream itself, then died."""
+    r = redis.Redis.from_url(redis_url)
+    for i, token in enumerate([11, 12, 13]):
+        r.xadd(request.result_stream, queue.tokens_event(i, [token], **_signer(request)),
+               id=queue.token_entry_id(i))
+    context.abort(grpc.StatusCode.UNAVAILABLE, "died after 3 tokens")
+
+
+def _two_tokens_then_stop(request):
+    """Tokens 14, 15 in the gRPC stream (as a direct caller gets them), then the final."""
+    yield worker_pb2.WorkerGenerateResponse(tokens=worker_pb2.WorkerTokens(
+        index=request.start_index, token_ids=[14, 15]))
+    yield worker_pb2.WorkerGenerateResponse(final=worker_pb2.WorkerFinal(
+        finish_reason=common_pb2.FINISH_REASON_STOP,
+        usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=2)))
+
+
 class HandoffWorker(FailingWorker):
     """The first call anywhere appends 3 tokens to the request's result stream itself (as real
     workers do) and then dies; later calls send their tokens in the gRPC stream (as a direct
@@ -130,16 +148,8 @@ class HandoffWorker(FailingWorker):
     def Generate(self, request, context):
         HandoffWorker.shared.setdefault("calls", []).append(request)
         if len(HandoffWorker.shared["calls"]) == 1:
-            r = redis.Redis.from_url(self.redis_url)
-            for i, token in enumerate([11, 12, 13]):
-                r.xadd(request.result_stream, queue.tokens_event(i, [token], **_signer(request)),
-                       id=queue.token_entry_id(i))
-            context.abort(grpc.StatusCode.UNAVAILABLE, "died after 3 tokens")
-        yield worker_pb2.WorkerGenerateResponse(tokens=worker_pb2.WorkerTokens(
-            index=request.start_index, token_ids=[14, 15]))
-        yield worker_pb2.WorkerGenerateResponse(final=worker_pb2.WorkerFinal(
-            finish_reason=common_pb2.FINISH_REASON_STOP,
-            usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=2)))
+            _append_three_tokens_and_die(self.redis_url, request, context)
+        yield from _two_tokens_then_stop(request)
 
 
 def test_worker_dying_after_appending_tokens_itself_resumes_after_them(mesh):
@@ -160,6 +170,54 @@ def test_worker_dying_after_appending_tokens_itself_resumes_after_them(mesh):
     assert second.start_index == 3 and second.sampling.max_tokens == 8 - 3
     assert list(second.prompt_token_ids) == list(first.prompt_token_ids) + [11, 12, 13]
     assert done.final.usage.completion_tokens == 5
+
+
+class SeatWorker(FailingWorker):
+    """One slot. `dies`: every call appends 3 tokens to the result stream, then fails. Otherwise
+    the first call holds its slot until `release` is set; later calls send 2 tokens and end."""
+
+    def __init__(self, redis_url: str, dies: bool):
+        super().__init__()
+        self.redis_url, self.dies = redis_url, dies
+        self.release = threading.Event()
+        self.requests = []
+
+    def Generate(self, request, context):
+        self.requests.append(request)
+        if self.dies:
+            _append_three_tokens_and_die(self.redis_url, request, context)
+        if len(self.requests) == 1:
+            self.release.wait(60)
+        yield from _two_tokens_then_stop(request)
+
+
+def test_a_request_broken_off_mid_stream_resumes_on_a_full_worker_at_once(mesh):
+    """The only surviving worker has no free slot: a request whose worker died after delivering
+    tokens resumes there at once (its client waits between two tokens), instead of waiting
+    behind the slot cap like new work (the worker's engine seats it ahead of its queue)."""
+    survivor, dying = SeatWorker(mesh.redis_url, dies=False), SeatWorker(mesh.redis_url, dies=True)
+    try:
+        survivor.register(mesh.redis_url, "survivor", max_inflight=1)
+        with futures.ThreadPoolExecutor(1) as pool:
+            blocker = pool.submit(_stub(mesh).Complete, gateway_pb2.CompleteRequest(
+                request=chat("Hold the slot.", 8)), metadata=auth(DEMO_KEYS["acme"]), timeout=90)
+            wait_until(lambda: len(survivor.requests) == 1, 30, what="the survivor's slot taken")
+            dying.register(mesh.redis_url, "dying", max_inflight=1)
+            started = time.monotonic()
+            done = _stub(mesh).Complete(gateway_pb2.CompleteRequest(request=chat("Hello?", 8)),
+                                        metadata=auth(DEMO_KEYS["acme"]), timeout=30)
+            took = time.monotonic() - started
+            assert not blocker.done()      # the survivor's slot was still taken throughout
+            survivor.release.set()
+            blocker.result()
+    finally:
+        survivor.release.set()
+        for w in (survivor, dying):
+            w.server.stop(0)
+    assert list(done.token_ids) == [11, 12, 13, 14, 15]
+    resumed = survivor.requests[1]
+    assert resumed.start_index == 3 and len(dying.requests) == 1
+    assert took < 10, took
 
 
 def test_result_stream_refuses_a_second_writer_of_an_index(redis_server):

@@ -52,8 +52,8 @@ def _entry(request_id: str, cls: str, enqueued_unix_ns: int = 0) -> queue.QueueE
         enqueued_unix_ns=enqueued_unix_ns)
 
 
-async def _with_worker(redis_url: str, body):
-    worker = FinalOnlyWorker()
+async def _with_worker(redis_url: str, body, worker: FinalOnlyWorker | None = None):
+    worker = worker or FinalOnlyWorker()
     server = grpc.aio.server()
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker, server)
     port = server.add_secure_port("127.0.0.1:0", server_credentials(MeshIdentity.from_env(Role.WORKER)))
@@ -176,3 +176,113 @@ def test_an_entry_delivered_past_the_limit_is_dead_lettered_once_taken_over(redi
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     asyncio.run(_with_worker(redis_server.url, body))
+
+
+class SlowWorker(FinalOnlyWorker):
+    """One slot, and each Generate holds it for HOLD_S before its final."""
+
+    HOLD_S = 1.5
+
+    async def Generate(self, request, context):
+        self.request_ids.append(request.request_id)
+        await asyncio.sleep(self.HOLD_S)
+        yield worker_pb2.WorkerGenerateResponse(final=worker_pb2.WorkerFinal(
+            token_ids=[7], finish_reason=common_pb2.FINISH_REASON_LENGTH,
+            usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids),
+                                   completion_tokens=1)))
+
+
+def test_an_entry_waiting_for_a_slot_ends_at_its_deadline_not_when_a_slot_frees(redis_server):
+    """F2's router side: behind a slow worker's full slot, entries with a 300 ms deadline get
+    DEADLINE_EXCEEDED at their deadline (they waited for the slot before: 1.2 s late here);
+    one without a deadline still waits and runs, and none of the expired ones reach the worker."""
+    async def body(redis, registry, worker):
+        registry.workers["w1"].max_inflight = registry.workers["w1"].max_running = 1
+        dispatcher = Dispatcher(redis, registry, make_policy("least-load"),
+                                DispatcherConfig(consumer="r1"), trace.get_tracer("test"))
+        await dispatcher.ensure_groups()
+        stream = queue.queue_stream("interactive")
+        await redis.xadd(stream, _entry("req-first", "interactive").encode())
+        run = asyncio.create_task(dispatcher.run())
+        try:
+            await _until(lambda: _ran(worker, "req-first"), what="the first request to run")
+            deadline_ns = time.time_ns() + 300_000_000
+            for i in range(5):
+                e = _entry(f"req-short{i}", "interactive")
+                e.deadline_unix_ns = deadline_ns
+                await redis.xadd(stream, e.encode())
+            await redis.xadd(stream, _entry("req-patient", "interactive").encode())
+            lateness_ms = []
+            for i in range(5):
+                event = await _until(lambda: _last_event(redis, f"req-short{i}"), 3.0,
+                                     what=f"req-short{i}'s end")
+                lateness_ms.append((time.time_ns() - deadline_ns) / 1e6)
+                assert event["kind"] == "error" and event["code"] == "DEADLINE_EXCEEDED"
+            assert max(lateness_ms) < 150, lateness_ms
+            assert await _until(lambda: _ran(worker, "req-patient"), 5.0, what="req-patient")
+            assert worker.request_ids == ["req-first", "req-patient"]
+        finally:
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+    asyncio.run(_with_worker(redis_server.url, body, SlowWorker()))
+
+
+async def _ran(worker, request_id: str) -> bool:
+    return request_id in worker.request_ids
+
+
+async def _last_event(redis, request_id: str) -> dict | None:
+    events = await redis.xrange(queue.result_stream(request_id))
+    return queue.decode_event(events[-1][1]) if events else None
+
+
+class HoldingWorker(FinalOnlyWorker):
+    """Each Generate holds its slot until the test releases them all."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def Generate(self, request, context):
+        self.request_ids.append(request.request_id)
+        await self.release.wait()
+        yield worker_pb2.WorkerGenerateResponse(final=worker_pb2.WorkerFinal(
+            token_ids=[7], finish_reason=common_pb2.FINISH_REASON_LENGTH,
+            usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids),
+                                   completion_tokens=1)))
+
+
+def test_interactive_takes_seats_batch_holds_past_the_slot_cap_up_to_its_share(redis_server):
+    """Batch fills its 80% of a worker's 5 slots (4 engine seats): interactive entries still
+    start at once, past the cap, in seats batch holds (the engine preempts batch for them), up
+    to 3 of the 4 seats (batch_min_share 0.2 keeps one for batch); the 4th waits for a slot.
+    Before, only the one slot batch left free ran interactive work (chaos L2: admitted chat
+    turns waited p99 150-180 ms for a slot under a 10 ms wait bound). Batch never goes past."""
+    async def body(redis, registry, worker):
+        handle = registry.workers["w1"]
+        handle.max_inflight, handle.max_running = 5, 4
+        dispatcher = Dispatcher(redis, registry, make_policy("least-load"),
+                                DispatcherConfig(consumer="r1"), trace.get_tracer("test"))
+        await dispatcher.ensure_groups()
+        for i in range(5):
+            await redis.xadd(queue.queue_stream("batch"), _entry(f"b{i}", "batch").encode())
+        run = asyncio.create_task(dispatcher.run())
+        try:
+            await _until(lambda: _count(worker, "b", 4), what="4 batch requests to run")
+            for i in range(4):
+                await redis.xadd(queue.queue_stream("interactive"),
+                                 _entry(f"i{i}", "interactive").encode())
+            await _until(lambda: _count(worker, "i", 3), what="3 interactive requests to run")
+            await asyncio.sleep(0.3)
+            assert sorted(worker.request_ids) == ["b0", "b1", "b2", "b3", "i0", "i1", "i2"]
+            assert handle.num_inflight == 7 and handle.num_interactive == 3
+            worker.release.set()
+            await _until(lambda: _count(worker, "", 9), what="all to run")
+        finally:
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+    asyncio.run(_with_worker(redis_server.url, body, HoldingWorker()))
+
+
+async def _count(worker, prefix: str, n: int) -> bool:
+    return sum(r.startswith(prefix) for r in worker.request_ids) >= n

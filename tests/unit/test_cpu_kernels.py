@@ -145,13 +145,13 @@ def test_packed_and_dequantized_paths_agree(mode):
 
 
 def _mixed_batch(shapes, heads: int, kv_heads: int, dim: int, block: int, num_blocks: int,
-                 seed: int):
+                 seed: int, cache_dtype: torch.dtype = torch.float32):
     """A paged batch of (context before this step, new tokens) sequences with their new K/V
     written to a random cache: (qkv, cache, plan, the torch path's attention output)."""
     from workers.model.attention import (AttentionMetadata, paged_attention, prepare_attention,
                                          write_kv)
     gen = torch.Generator().manual_seed(seed)
-    cache = torch.randn(2, num_blocks, block, kv_heads, dim, generator=gen)
+    cache = torch.randn(2, num_blocks, block, kv_heads, dim, generator=gen).to(cache_dtype)
     width = max(-(-(c + n) // block) for c, n in shapes)
     tables, slots, starts = [], [], [0]
     free = iter(torch.randperm(num_blocks, generator=gen).tolist())
@@ -171,6 +171,8 @@ def _mixed_batch(shapes, heads: int, kv_heads: int, dim: int, block: int, num_bl
     q = q.reshape(total, heads, dim)
     k, v = k.reshape(total, kv_heads, dim), v.reshape(total, kv_heads, dim)
     write_kv(cache, plan.slot_mapping, k, v)
+    # The torch path attends a fresh prompt over its own K/V, not the cache's: as rounded there.
+    k, v = k.to(cache_dtype).float(), v.to(cache_dtype).float()
     expected = paged_attention(q, k, v, cache, plan).reshape(total, heads * dim)
     return qkv, cache, plan, expected
 
@@ -187,9 +189,64 @@ def test_fused_attention_matches_torch_paged_attention_on_a_mixed_batch():
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(params=["avx2", "avx512"])
+def attention_isa(request):
+    """The head_dim-64 decode attention's loops on AVX2, and on AVX-512 where the CPU has it
+    (attention_avx512.cpp, the default there)."""
+    from workers.model.kernels import _cpu_flags
+    has = {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= _cpu_flags()
+    if request.param == "avx512" and not has:
+        pytest.skip("CPU has no AVX-512")
+    ext.set_tunable("attention_avx512", float(request.param == "avx512"))
+    yield request.param
+    ext.set_tunable("attention_avx512", float(has))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dim", [64, 16])
+def test_fused_attention_over_an_fp16_cache_matches_torch_over_the_same_cache(
+        cache_dtype, dim, attention_isa):
+    """The kernels widen an fp16 cache as they load (decode rows, prompt spans, the generic
+    head size): the same result as the torch path over the same fp16 values, in fp32."""
+    from workers.model.attention import fused_paged_attention
+    shapes = [(30, 1), (37, 20), (0, 45), (12, 5), (100, 1), (3, 130)]
+    qkv, cache, plan, expected = _mixed_batch(shapes, 9, 3, dim=dim, block=16, num_blocks=64,
+                                              seed=13, cache_dtype=cache_dtype)
+    assert cache.dtype == cache_dtype
+    out = fused_paged_attention(ext, qkv, cache, plan, 9, 3)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_rope_write_kv_rounds_into_an_fp16_cache_as_torch_does():
+    """The fused RoPE + cache write stores fp16 by round-to-nearest, what the torch path's
+    write_kv (a cast) stores: the same values at the same slots, nothing elsewhere."""
+    from workers.model.attention import write_kv
+    from workers.model.llama import apply_rotary
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim, tokens = 4, 2, 64, 5
+    qkv = 4 * torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    positions = torch.tensor([0, 3, 7, 8, 20])
+    half = dim // 2
+    inv = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
+    angles = torch.arange(32, dtype=torch.float32)[:, None] * inv[None, :]
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    slots = torch.tensor([1, 6, 9, 2, 14])
+    fused = torch.zeros(2, 4, 4, kv_heads, dim, dtype=torch.float16)
+    ext.rope_write_kv(qkv.clone(), positions, cos, sin, fused, slots, heads, kv_heads)
+    q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    k = apply_rotary(k.reshape(tokens, kv_heads, dim), cos[positions][:, None],
+                     sin[positions][:, None])
+    ref = torch.zeros_like(fused)
+    write_kv(ref, slots, k, v.reshape(tokens, kv_heads, dim))
+    assert ref.abs().sum() > 0 and fused.dtype == torch.float16
+    # Bit for bit but for the rare value whose fp32 rotation differs in its last bit (an FMA).
+    torch.testing.assert_close(fused, ref, rtol=1e-3, atol=1e-3)
+    assert (fused != ref).float().mean() < 0.01
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 2), (2, 2)])
 @pytest.mark.parametrize("tiles", [True, False])
-def test_prompt_spans_tiled_attention_matches_torch(heads, kv_heads, tiles):
+def test_prompt_spans_tiled_attention_matches_torch(heads, kv_heads, tiles, attention_isa):
     """Head size 64: prompt chunks of 8+ rows take the register-tiled span path (with and
     without earlier context, row counts that leave partial tiles), beside decodes and a short
     chunk that stay per row; both paths agree with the torch reference."""
@@ -207,7 +264,7 @@ def test_prompt_spans_tiled_attention_matches_torch(heads, kv_heads, tiles):
 
 @pytest.mark.parametrize("context", [40, 300])
 @pytest.mark.parametrize("split_k", [True, False])
-def test_fused_attention_batch_one_split_over_keys(context, split_k):
+def test_fused_attention_batch_one_split_over_keys(context, split_k, attention_isa):
     """A lone decode token (head_dim 64) with two threads: its keys are split into ranges that
     the threads attend separately, then merged (flash decoding); same result as torch."""
     from workers.model.attention import (AttentionMetadata, fused_paged_attention,
@@ -303,6 +360,85 @@ def test_dense_prefill_gemm_matches_fp32_to_bf16_precision(pre, accumulate):
     if accumulate:
         expected = expected + residual
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+
+
+needs_amx = pytest.mark.skipif(ext is None or not ext.amx_available(),
+                               reason="CPU has no AMX-BF16 (or Linux refused the tile state)")
+
+
+@needs_amx
+@pytest.mark.parametrize("pre", [0, 1, 2])
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("m", [1, 17, 40])
+def test_amx_gemm_is_exact_on_bf16_inputs(pre, accumulate, m):
+    """qgemm_amx keeps the packed GEMM's contract (pre-op, in-place residual add) for any row
+    count (the tiles take 32 rows at a time): the pre-op's output rounded to bf16, times the
+    bf16 weight, summed in fp32, which is what the reference computes."""
+    from workers.model.kernels import pack_amx
+    torch.manual_seed(pre * 100 + m)
+    k, n = 96, 48   # two output tiles and one left over: the single-tile tail runs too
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    x = torch.randn(m, 2 * k if pre == 2 else k)
+    norm = torch.rand(k) + 0.5
+    inp = {0: lambda: x, 1: lambda: F.rms_norm(x, (k,), norm, 1e-5),
+           2: lambda: F.silu(x[:, :k]) * x[:, k:]}[pre]()
+    expected = inp.to(torch.bfloat16).float() @ w.float().t()
+    residual = torch.randn(m, n)
+    out = residual.clone() if accumulate else torch.empty(m, n)
+    got = ext.qgemm_amx(x, pack_amx(w), n, k, pre, norm if pre == 1 else None, 1e-5, out,
+                        accumulate)
+    assert got.data_ptr() == out.data_ptr()
+    if accumulate:
+        expected = expected + residual
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(RuntimeError, match="K % 32"):
+        ext.qgemm_amx(x[:, :80] if pre != 2 else x, pack_amx(w)[:, :2], n, 80, 0, None, 0.0,
+                      None, False)
+
+
+@needs_amx
+@pytest.mark.parametrize("amx", ["on", "off"])
+def test_on_an_amx_cpu_the_stack_and_the_output_layer_take_the_amx_tiles(amx, monkeypatch):
+    """With AMX the bf16 copies are packed for our tiles (decode batches from 16 rows, and the
+    output layer's many-row calls) and match the packed tiles to bf16 precision; LLMMESH_AMX=off
+    keeps the plain copies for oneDNN and an output layer without one."""
+    from workers.model import kernels
+    monkeypatch.setenv("LLMMESH_AMX", amx)
+    monkeypatch.setenv("LLMMESH_DENSE_PREFILL_MIN_ROWS", "4")
+    kernels.dense_prefill_min_rows.cache_clear()
+    try:
+        model = _tiny_quantized_model("int4")
+        copy = model.layers[0].mlp.down_proj.dense_copy
+        assert copy.dim() == (5 if amx == "on" else 2)
+        head = model.lm_head
+        assert (head.amx_copy is not None) == (amx == "on")
+        (first, second), (ref_first, ref_second) = _stack_and_layers(model)
+        scale = ref_first.abs().max().item()
+        torch.testing.assert_close(first, ref_first, rtol=3e-2, atol=3e-2 * scale)
+        assert not torch.equal(first, ref_first)
+        hidden = torch.randn(6, model.config.hidden_size)
+        monkeypatch.setattr(head, "amx_min_rows", 10**9)   # the int8 tiles, for reference
+        tiles = head(hidden)
+        monkeypatch.setattr(head, "amx_min_rows", 4)
+        torch.testing.assert_close(head(hidden), tiles, rtol=3e-2,
+                                   atol=3e-2 * tiles.abs().max().item())
+    finally:
+        kernels.dense_prefill_min_rows.cache_clear()
+
+
+@needs_amx
+def test_dense_prefill_off_leaves_no_amx_copy_on_the_output_layer(monkeypatch):
+    """LLMMESH_DENSE_PREFILL=off means no bf16 copies: the output layer got one anyway, used
+    from 0 rows (every decode step's logits through 2x the bytes), before this was checked."""
+    from workers.model import kernels
+    monkeypatch.setenv("LLMMESH_DENSE_PREFILL", "off")
+    kernels.dense_prefill_min_rows.cache_clear()
+    try:
+        model = _tiny_quantized_model("int4")
+        assert model.lm_head.amx_copy is None
+        assert model.layers[0].mlp.down_proj.dense_copy is None
+    finally:
+        kernels.dense_prefill_min_rows.cache_clear()
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

@@ -101,3 +101,19 @@ def test_the_gateway_passes_the_lower_of_the_two_bounds(max_wait_s, cls, current
         max_queue_len=64, interactive_max_wait_s=max_wait_s))   # never connects
     frontend.drain = _View(current)
     assert frontend._queue_bound(cls) == expected
+
+
+def test_seats_interactive_may_take_from_batch_count_as_free_past_the_slot_cap():
+    """Every router slot taken (16 batch, 4 interactive on w1): interactive can still start at
+    once in a seat batch holds while interactive holds fewer than the 12 it may take there;
+    not once it holds them, and a router without the field (4 values) counts none."""
+    meter = DrainMeter("a")
+    full = meter.report({"interactive": 4, "batch": 16}, {"w1": WorkerSeats(16, 20, 20, 4, 12)})
+    assert _view({"a": full}).current("interactive").free_slots == 8
+    taken = meter.report({"interactive": 12, "batch": 16}, {"w1": WorkerSeats(16, 20, 28, 12, 12)})
+    assert _view({"a": taken}).current("interactive").free_slots == 0
+    waiting = meter.report({"interactive": 20}, {"w1": WorkerSeats(16, 20, 20, 20, 12)})
+    assert _view({"a": waiting}).current("interactive").free_slots == -4   # waits in the engine
+    old = meter.report({"interactive": 4, "batch": 16}, {"w1": WorkerSeats(16, 20, 20, 4)})
+    assert _view({"a": old}).current("interactive").free_slots == 0
+    assert _view({"a": full}).current("batch").free_slots == -4   # batch borrows nothing

@@ -288,3 +288,25 @@ def test_calibration_teaches_the_step_model_and_leaves_nothing_behind(model, ref
     with pytest.raises(RuntimeError):
         core.add_request(core.make_request("busy", [1, 2, 3], GREEDY))
         core.calibrate()
+
+
+def test_an_fp16_kv_cache_holds_twice_the_blocks_and_serves_batches():
+    """--kv-cache-dtype float16: the same memory budget holds twice the blocks, the cache
+    tensors are fp16, and a chunked batch decodes through it close to the fp32 cache's tokens
+    (fp16 rounds K and V: a greedy token may differ, so most, not all, must agree)."""
+    model = build_random_model(MODEL_CONFIG, "cpu", torch.float32, seed=0)
+    budget = {"num_gpu_blocks": None, "kv_cache_bytes": 1 << 20, "max_num_batched_tokens": 16}
+    wide = EngineCore(engine_config(**budget), model)
+    narrow = EngineCore(engine_config(kv_cache_dtype="float16", **budget), model)
+    assert narrow.cache_info.num_blocks == 2 * wide.cache_info.num_blocks
+    assert narrow.runner.kv_caches[0].dtype == torch.float16
+    assert wide.runner.kv_caches[0].dtype == torch.float32          # "auto": the activations'
+    requests = {f"r{i}": p for i, p in enumerate(prompts(6, seed=4, high=40))}
+    fp32, _ = run_core(wide, requests)
+    fp16, finals = run_core(narrow, requests)
+    assert all(len(t) == 8 for t in fp16.values())
+    agree = sum(a == b for rid in requests for a, b in zip(fp32[rid], fp16[rid]))
+    assert agree >= 0.75 * 8 * len(requests), (fp32, fp16)
+    assert narrow.load().num_free_blocks == narrow.cache_info.num_blocks
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        engine_config(kv_cache_dtype="int3")

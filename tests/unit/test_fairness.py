@@ -47,6 +47,17 @@ def test_drr_idle_tenant_keeps_no_credit():
     assert drain(drr) == ["b0", "a1"]
 
 
+def test_drr_remove_takes_out_that_item_alone_and_an_emptied_tenant_with_its_credit():
+    drr = DeficitRoundRobin[str](quantum=100)
+    for item in ("a0", "a1", "a2"):
+        drr.push("a", item, 10)
+    drr.push("b", "b0", 10)
+    assert drr.remove("a", "a1") and len(drr) == 3
+    assert not drr.remove("a", "a1") and not drr.remove("c", "a0")   # not (or no longer) there
+    assert drr.remove("b", "b0") and drr.tenants() == ["a"]
+    assert drain(drr) == ["a0", "a2"]
+
+
 def test_interactive_first_and_batch_never_starves():
     sched = ClassScheduler[str](ClassPolicy(batch_min_share=0.25, batch_max_slot_share=1.0, window=8))
     for i in range(40):
@@ -95,3 +106,17 @@ def test_ready_says_exactly_when_pop_would_hand_something_out():
         assert state == (got is not None)
         if got is not None:
             sched.push(got[0], "t", got[1], 10)
+
+
+def test_interactive_goes_past_the_slot_cap_to_seats_batch_holds_and_batch_does_not():
+    """No free slot (batch fills its share, interactive the rest): an interactive entry still
+    goes where it can take a seat from batch (interactive_free), a batch entry never does."""
+    sched = ClassScheduler[str](ClassPolicy(batch_min_share=0.0, batch_max_slot_share=0.8))
+    sched.push("batch", "t", "b0", 10)
+    sched.push("interactive", "t", "i0", 10)
+    assert sched.pop(0, 20, 16) is None and not sched.ready(0, 20, 16)   # as before
+    assert sched.ready(0, 20, 16, interactive_free=0) is False
+    assert sched.ready(0, 20, 16, interactive_free=3)
+    assert sched.pop(0, 20, 16, interactive_free=3) == ("interactive", "i0")
+    assert sched.pop(0, 20, 15, interactive_free=3) is None    # batch needs a slot
+    assert sched.pop(1, 20, 15, interactive_free=3) == ("batch", "b0")

@@ -67,3 +67,38 @@ def test_least_load_and_round_robin():
     assert [rr.select_worker(entry([1]), ws).worker_id for _ in range(4)] == ["a", "b", "c", "a"]
     assert make_policy("least-load").name == "least-load"
     assert LeastLoad().select_worker(entry([1]), []) is None
+
+
+def test_a_cooled_down_open_circuit_gets_the_next_request_as_its_probe():
+    """Prefix affinity sends a shared system prompt to the worker that cached it, so a worker
+    whose circuit opened was never picked again and its circuit never closed (CI's F6 run: both
+    routers still open 30 s after SIGCONT). Once its cool-down is over, the next request goes
+    there as the probe; before that, and for the request after the probe, affinity decides."""
+    from router.breaker import CircuitBreaker, CircuitState
+    from router.policy import place
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self):
+            return self.now
+
+    clock = Clock()
+    e = entry(list(range(16)))
+    cached = worker("cached", cached=e.block_hashes)
+    stopped = worker("stopped")
+    for h in (cached, stopped):
+        h.lease_models = ({"name": "m", "state": "loaded"},)
+        h.breaker = CircuitBreaker(h.worker_id, failure_threshold=1, open_s=5, clock=clock)
+    stopped.breaker.on_failure()
+    fleet = [cached, stopped]
+    policy = PrefixAffinity()
+    clock.now = 4.0      # cooling down: not available, affinity's pick
+    assert place(policy, e, [h for h in fleet if h.free_slots], fleet, 0.0) is cached
+    clock.now = 5.5      # cooled down: the probe goes there although the prefix is elsewhere
+    assert place(policy, e, [h for h in fleet if h.free_slots], fleet, 0.0) is stopped
+    assert stopped.breaker.on_dispatch() and stopped.breaker.state is CircuitState.HALF_OPEN
+    # While the probe runs, the next request follows affinity again.
+    assert place(policy, e, [h for h in fleet if h.free_slots], fleet, 0.0) is cached
+    stopped.breaker.on_success()
+    assert place(policy, e, [h for h in fleet if h.free_slots], fleet, 0.0) is cached

@@ -387,6 +387,43 @@ def test_an_idle_tenant_gets_no_credit_for_its_idle_time():
     assert order.index("acme3") <= 2
 
 
+def test_a_resumed_completion_goes_ahead_of_its_class_but_not_of_a_higher_one():
+    """A request that another worker broke off mid-stream (its client waits between two tokens)
+    is admitted before this worker's own waiting requests of its class, whatever their tenant
+    tags; interactive still goes before a resumed batch request. The waiting it jumped keeps
+    its tenant-fair order."""
+    scheduler = make_scheduler(max_seqs=1)
+    def req(rid, tenant, t, priority=I, resumed=False):
+        return Request(rid, [10, 11, 12], SamplingParams(max_tokens=1, temperature=0),
+                       block_size=BLOCK, tenant=tenant, arrival_time=t, priority=priority,
+                       resumed=resumed)
+    for i in range(3):
+        scheduler.add_request(req(f"acme{i}", "acme", float(i)))
+    scheduler.add_request(req("globex0", "globex", 3.0))
+    scheduler.add_request(req("batch-resumed", "acme", 4.0, priority=B, resumed=True))
+    scheduler.add_request(req("acme-resumed", "acme", 5.0, resumed=True))
+    order = []
+    while scheduler.has_work():
+        out, _ = step(scheduler)
+        order += [r.request_id for r in out.requests if r.request_id not in order]
+    assert order == ["acme-resumed", "acme0", "globex0", "acme1", "acme2", "batch-resumed"]
+
+
+def test_a_resumed_completion_takes_a_seat_past_the_cap_and_new_work_does_not():
+    scheduler = make_scheduler(max_seqs=2)
+    for rid in ("a", "b"):
+        add(scheduler, rid, 4, max_tokens=50)
+    step(scheduler)
+    params = SamplingParams(max_tokens=5, temperature=0)
+    scheduler.add_request(Request("new", [30, 31, 32], params, block_size=BLOCK))
+    for i in range(3):   # a worker died with three completions in flight: two seats past 2
+        scheduler.add_request(Request(f"resumed{i}", [40 + i, 41, 42], params, block_size=BLOCK,
+                                      resumed=True))
+    out, _ = step(scheduler)
+    assert {r.request_id for r in out.requests} == {"a", "b", "resumed0", "resumed1"}
+    assert [r.request_id for r in scheduler.waiting] == ["resumed2", "new"]
+
+
 def _duty_cycle(slowdown: float, mixed_s: float, alone_s: float = 0.005, steps: int = 120,
                 max_skipped: int = 16) -> list[bool]:
     """Steps with a chat decoding beside a long batch prompt, timed as given: which took the

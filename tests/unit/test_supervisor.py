@@ -52,3 +52,52 @@ def test_a_failing_check_makes_it_unhealthy_until_it_passes():
         seen.append(await s.healthy())
         return seen
     assert asyncio.run(body()) == [False, False, True]
+
+
+def _swallows_cancellation(times: dict, ran_after: list):
+    """A loop that drops its first `times["n"]` cancellations, as Python 3.11's asyncio.wait_for
+    does when the call it waits on (a redis-py socket write) finishes in the same tick."""
+    async def loop():
+        dropped = 0
+        while True:
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                if dropped >= times["n"]:
+                    raise
+                dropped += 1
+                ran_after.append(dropped)
+    return loop
+
+
+def test_stop_ends_a_loop_that_swallowed_its_cancellation():
+    ran_after = []
+
+    async def body():
+        s = sup.Supervisor()
+        s.start("epoch", _swallows_cancellation({"n": 2}, ran_after))
+        await asyncio.sleep(0.02)
+        await asyncio.wait_for(s.stop(), timeout=2.0)   # hung for ever before
+        return s.tasks["epoch"]
+    task = asyncio.run(body())
+    assert task.cancelled() and ran_after == [1, 2]
+
+
+def test_stop_gives_up_on_a_loop_that_never_ends_and_says_which(monkeypatch, caplog):
+    monkeypatch.setattr(sup, "STOP_TIMEOUT_S", 0.2)
+    ran_after = []
+
+    async def body():
+        s = sup.Supervisor()
+        times = {"n": 10**9}
+        s.start("stubborn", _swallows_cancellation(times, ran_after))
+        await asyncio.sleep(0.02)
+        await asyncio.wait_for(s.stop(), timeout=2.0)
+        done = s.tasks["stubborn"].done()
+        times["n"] = 0   # the test's own clean-up: the next cancellation ends it
+        s.tasks["stubborn"].cancel()
+        await asyncio.gather(s.tasks["stubborn"], return_exceptions=True)
+        return done
+    assert asyncio.run(body()) is False
+    assert len(ran_after) >= 3   # cancelled again, more than once
+    assert "background tasks ['stubborn'] did not stop within" in caplog.text

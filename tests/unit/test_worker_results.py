@@ -10,7 +10,8 @@ import redis.asyncio as aioredis
 from opentelemetry import trace
 
 from llmmesh import queue
-from llmmesh.errors import Aborted
+from llmmesh.errors import Aborted, AlreadyExists
+from llmmesh.streamauth import attempt_key, attempt_number
 from llmmesh.v1 import common_pb2, worker_pb2
 from tests.unit.test_engine import engine_config, model  # noqa: F401 (fixture)
 from workers.engine import AsyncEngine
@@ -153,3 +154,68 @@ def test_retry_whose_delivered_tokens_hold_the_stop_ends_at_once(model, redis_se
     (other,), _ = _run(model, redis_server.url,
                        _request("w", queue.result_stream("w"), stop=["<nope>"], delivered=full[:2]))
     assert list(other[-1].final.token_ids) == full[2:]
+
+
+def test_a_newer_attempt_replaces_the_older_one_still_running_here(model, redis_server):
+    """A router killed mid-request leaves its attempt running on the worker until its call is torn
+    down; the router that takes the entry over sends a newer attempt (higher number) to the same
+    worker. The newer one replaces the older (aborted, writes nothing more) and completes from
+    where the stream stands; the same attempt number again, or an older one, gets ALREADY_EXISTS
+    and leaves the running attempt alone."""
+    stream, key = queue.result_stream("replaced"), "ab" * 16
+    first, second = attempt_number(1, 0), attempt_number(2, 0)
+
+    def req(number, delivered=(), max_tokens=400):
+        r = _request("x", stream, delivered=delivered)
+        r.sampling.max_tokens = max_tokens
+        r.attempt, r.attempt_key = number, attempt_key(key, number)
+        return r
+
+    async def main():
+        engine = AsyncEngine(engine_config(), model, name="tiny")
+        await engine.start()
+        redis = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        servicer = WorkerServicer(SingleModelHost(engine, _Tokenizer(), "tiny", "fp32"), "w0", "cpu",
+                                  trace.get_tracer("test"), results=redis)
+
+        async def run(r):
+            try:
+                return [m async for m in servicer.Generate(r, _Context())]
+            except (Aborted, AlreadyExists) as exc:
+                return exc
+        try:
+            old = asyncio.create_task(run(req(first)))
+            while not await redis.xlen(stream):
+                await asyncio.sleep(0.005)
+            # Not newer: refused, and the running attempt goes on.
+            assert isinstance(await run(req(first)), AlreadyExists)
+            assert isinstance(await run(req(first - 1)), AlreadyExists)
+            assert not old.done()
+            # As a router's takeover does: send on from what the stream holds. The old attempt may
+            # write on until it is replaced; the new one then finds its index taken, and the
+            # router reads the stream again and sends the next attempt.
+            for number in (second, second + 1, second + 2):
+                delivered = [i for _, f in await redis.xrange(stream)
+                             for i in queue.decode_event(f)["ids"]]
+                new = await run(req(number, delivered=delivered, max_tokens=3))
+                if not (isinstance(new, Aborted) and "already delivered" in str(new)):
+                    break
+            replaced = await old
+            events = [queue.decode_event(f) for _, f in await redis.xrange(stream)]
+            return new, replaced, events
+        finally:
+            await redis.aclose()
+            await engine.shutdown()
+
+    new, replaced, events = asyncio.run(main())
+    assert isinstance(replaced, Aborted) and "replaced attempt" in str(replaced)
+    assert not isinstance(new, Exception), new
+    assert new[-1].final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    # One contiguous completion: the old attempt's chunks, then the new one's 3 tokens and its end.
+    indexes = [e["index"] for e in events]
+    assert indexes == sorted(set(indexes))
+    by_attempt = [e["a"] for e in events]
+    assert by_attempt[0] == first and by_attempt[-1] > first
+    assert by_attempt == sorted(by_attempt)
+    assert [e for e in events if "end" in e] == events[-1:]
+    assert sum(len(e["ids"]) for e in events if e["a"] == by_attempt[-1]) == 3

@@ -138,7 +138,7 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling: SamplingParams, *, priority: int = 0,
                        cache_salt: str = "", model: str | None = None,
-                       tenant: str = "") -> AsyncIterator[RequestOutput]:
+                       tenant: str = "", resumed: bool = False) -> AsyncIterator[RequestOutput]:
         """Stream the request's outputs; the last has finished=True and the usage. Leaving the
         iteration early (break, cancellation) aborts the request and frees its blocks."""
         name = self.default_model if model is None else model
@@ -146,7 +146,8 @@ class AsyncEngine:
         if request_id in self._streams:
             raise AlreadyExists(f"request_id {request_id!r} is already in flight on this worker")
         request = core.make_request(request_id, prompt_token_ids, sampling,
-                                    priority=priority, cache_salt=cache_salt, tenant=tenant)
+                                    priority=priority, cache_salt=cache_salt, tenant=tenant,
+                                    resumed=resumed)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = queue
         self._owner[request_id] = name

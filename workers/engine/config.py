@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.model.attention import resolve_kv_cache_dtype
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Weight storage (workers.model.quantize): "auto" picks per device, "none" means `dtype`.
 QUANTIZATIONS = ("auto", "none", "fp32", "bf16", "int8", "int4")
@@ -17,6 +19,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     quantization: str = "auto"
+    # The KV cache's element type: "auto" (`dtype`), "float32", "float16" or "bfloat16"
+    # (workers.model.attention.resolve_kv_cache_dtype): float16 holds twice the tokens.
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     # Memory budget for the KV cache; num_gpu_blocks, when set, overrides it (tests, benches).
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
@@ -68,6 +73,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        resolve_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)  # raises
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, "
                              f"got {self.quantization!r}")
@@ -100,6 +106,10 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        return resolve_kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype)
 
 
 @dataclass(frozen=True, slots=True)

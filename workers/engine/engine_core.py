@@ -40,7 +40,7 @@ class EngineCore:
 
     def make_request(self, request_id: str, prompt_token_ids: Sequence[int],
                      sampling: SamplingParams, *, priority: int = Priority.INTERACTIVE,
-                     cache_salt: str = "", tenant: str = "") -> Request:
+                     cache_salt: str = "", tenant: str = "", resumed: bool = False) -> Request:
         """A validated request; raises InvalidArgument naming the bad field. Touches no engine
         state, so any thread may call it."""
         if not request_id:
@@ -56,7 +56,8 @@ class EngineCore:
         if priority not in Priority.__members__.values():
             raise InvalidArgument("priority", f"must be one of {[int(p) for p in Priority]}")
         return Request(request_id, prompt_token_ids, sampling, block_size=self.config.block_size,
-                       priority=Priority(priority), cache_salt=cache_salt, tenant=tenant)
+                       priority=Priority(priority), cache_salt=cache_salt, tenant=tenant,
+                       resumed=resumed)
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)

@@ -24,11 +24,11 @@ class ModelRunner:
         self.block_size = config.block_size
         model_config = model.config
         bytes_per_block = kv_cache_bytes_per_block(model_config, config.block_size,
-                                                   config.torch_dtype)
+                                                   config.kv_torch_dtype)
         self.cache_info = CacheInfo.plan(config, bytes_per_block,
                                          model_config.max_position_embeddings)
         self.kv_caches = allocate_kv_caches(model_config, self.cache_info.num_blocks,
-                                            config.block_size, self.device, config.torch_dtype)
+                                            config.block_size, self.device, config.kv_torch_dtype)
         self.sampler = Sampler()
         # Seeded requests own a generator for their whole life (preemptions included), so their
         # draws do not depend on who else was in the batch.

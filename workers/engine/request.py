@@ -46,12 +46,14 @@ class Request:
                  "_all_token_ids", "sampling_params", "priority", "cache_salt", "block_size",
                  "block_hashes", "block_ids", "num_computed_tokens", "num_cached_tokens",
                  "status", "arrival_time", "arrival_index", "first_scheduled_time",
-                 "first_token_time", "tenant", "fair_start", "prefill_device_s", "decode_device_s", "num_preemptions")
+                 "first_token_time", "tenant", "fair_start", "resumed", "prefill_device_s",
+                 "decode_device_s", "num_preemptions")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, block_size: int,
                  priority: Priority = Priority.INTERACTIVE, cache_salt: str = "",
-                 arrival_time: float | None = None, tenant: str = "") -> None:
+                 arrival_time: float | None = None, tenant: str = "",
+                 resumed: bool = False) -> None:
         self.request_id = request_id
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -74,6 +76,10 @@ class Request:
         # Start tag in the tenant-fair order of its class (Scheduler.add_request); 0 without a
         # tenant, so tenantless requests keep arrival order.
         self.fair_start = 0.0
+        # Continues a completion that another worker broke off: its client already has tokens
+        # and waits mid-stream, and its place in line was earned on that worker. It goes ahead
+        # of its class's waiting queue.
+        self.resumed = resumed
         self.prefill_device_s = 0.0
         self.decode_device_s = 0.0
         self.num_preemptions = 0
@@ -97,10 +103,11 @@ class Request:
         return len(self.output_token_ids)
 
     @property
-    def sort_key(self) -> tuple[int, float, float, int]:
-        """Scheduling order: interactive before batch, then tenant-fair (start-time fair
-        queueing over tenants), then first come first served."""
-        return (self.priority, self.fair_start, self.arrival_time, self.arrival_index)
+    def sort_key(self) -> tuple[int, bool, float, float, int]:
+        """Scheduling order: interactive before batch, then resumed completions, then
+        tenant-fair (start-time fair queueing over tenants), then first come first served."""
+        return (self.priority, not self.resumed, self.fair_start, self.arrival_time,
+                self.arrival_index)
 
     def append_output_token_id(self, token_id: int, logprob: float | None = None) -> None:
         if self.first_token_time is None:

@@ -237,7 +237,11 @@ class Scheduler:
     def _schedule_waiting(self, batch: _StepBatch, preempted: list[Request]) -> None:
         while self.waiting and batch.budget > 0:
             request = self.waiting[0]
-            if (len(self.running) >= self.max_num_seqs
+            # A resumed completion may take up to max_num_seqs seats past the cap: its client
+            # waits mid-stream for a seat to free, while a decode step grows far less than that
+            # wait with a few more sequences (it streams the weights once for all of them).
+            seats = self.max_num_seqs * (2 if request.resumed else 1)
+            if (len(self.running) >= seats
                     and not self._preempt_lower_priority(request, batch, preempted)):
                 return
             hits, num_cached = self.kv.get_computed_blocks(request)
@@ -248,7 +252,7 @@ class Scheduler:
                 if not self._preempt_lower_priority(request, batch, preempted):
                     return   # strict order: nobody overtakes the head of the queue
             self.waiting.pop(0)
-            if request.tenant:
+            if request.tenant and not request.resumed:   # it went ahead of its turn
                 self._virtual_time[request.priority] = max(
                     self._virtual_time.get(request.priority, 0.0), request.fair_start)
             self._admit(request, num_cached)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.model import quant_formats as qf
-from workers.model.kernels import cpu_kernels, dense_prefill_min_rows
+from workers.model.kernels import cpu_kernels, dense_prefill_min_rows, pack_amx
 
 QUANTIZATION_MODES = ("fp32", "bf16", "int8", "int4")
 _PRE_NONE, _PRE_RMS_NORM, _PRE_SILU_MUL = 0, 1, 2
@@ -97,6 +97,10 @@ class QuantizedLinear(nn.Module):
         # bf16 [N, K] copy of the dequantized weight for the decoder stack's prefill-sized calls
         # on CPUs with a fast bf16 GEMM (kernels.dense_prefill_min_rows).
         self.dense_copy: torch.Tensor | None = None
+        # The same copy packed for AMX tiles (kernels.pack_amx), used from `amx_min_rows` rows:
+        # set by quantize.quantize_model for the output layer on AMX CPUs (use_amx_copy).
+        self.amx_copy: torch.Tensor | None = None
+        self.amx_min_rows = 0
         if packed:   # hot-path attributes, resolved once
             self._qgemm = cpu_kernels().qgemm
             self._packed_weight, self._scales = tensors["packed"], tensors["scales"]
@@ -132,9 +136,16 @@ class QuantizedLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def copy_bytes(self) -> int:
-        """Bytes of the bf16 prefill copy (resident, never read by a decode step)."""
-        c = self.dense_copy
-        return 0 if c is None else c.numel() * c.element_size()
+        """Bytes of the bf16 copies (resident; read only by calls of many rows)."""
+        return sum(c.numel() * c.element_size() for c in (self.dense_copy, self.amx_copy)
+                   if c is not None)
+
+    def use_amx_copy(self, min_rows: int) -> None:
+        """Calls of `min_rows`+ rows go to the AMX tiles on the bf16 copy (made by from_weight),
+        packed here in its place; fewer rows keep the packed int8/int4 tiles."""
+        self.amx_copy, self.dense_copy = pack_amx(self.dense_copy), None
+        self.amx_min_rows = min_rows
+        self._qgemm_amx = cpu_kernels().qgemm_amx
 
     def forward(self, x: torch.Tensor, *, norm: nn.Module | None = None, silu_mul: bool = False,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -145,6 +156,10 @@ class QuantizedLinear(nn.Module):
             pre, norm_w, eps = _PRE_RMS_NORM, norm.weight, norm.eps
         elif silu_mul:
             pre = _PRE_SILU_MUL
+        if self.amx_copy is not None and x.shape[0] >= self.amx_min_rows:
+            return self._qgemm_amx(x if x.stride(-1) == 1 else x.contiguous(), self.amx_copy,
+                                   self.out_features, self.in_features, pre, norm_w, eps,
+                                   residual, residual is not None)
         # Packing happened only because the kernels loaded (cached module, no per-call lookup).
         return self._qgemm(x if x.stride(-1) == 1 else x.contiguous(), self._packed_weight,
                            self._scales, self.out_features, self.in_features, self._int4, pre,

@@ -21,6 +21,9 @@ from workers.model.attention import (AttentionMetadata, AttentionPlan, causal_at
 from workers.model.config import ModelConfig
 from workers.model.linear import Linear, fused_kernels, rms_norm
 
+# KV caches the CPU kernels read and write (fp16 widened to fp32 as it loads).
+_KERNEL_KV_DTYPES = (torch.float32, torch.float16)
+
 
 def _param(*shape: int, device: torch.device | str, dtype: torch.dtype) -> nn.Parameter:
     # Uninitialised on purpose: a loader or build_random_model always fills every parameter, and
@@ -88,7 +91,7 @@ class LlamaAttention(nn.Module):
         """x + attention(norm(x)); x is updated in place where the projection allows it."""
         qkv = self.qkv_proj(x, norm=norm)
         ext = fused_kernels(qkv)
-        if kv_cache is not None and ext is not None and kv_cache.dtype == torch.float32:
+        if kv_cache is not None and ext is not None and kv_cache.dtype in _KERNEL_KV_DTYPES:
             ext.rope_write_kv(qkv, rope.positions, rope.table_cos, rope.table_sin, kv_cache,
                               plan.slot_mapping, self.num_heads, self.num_kv_heads)
             out = fused_paged_attention(ext, qkv, kv_cache, plan, self.num_heads,
@@ -173,7 +176,8 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
             plan = prepare_attention(attn_metadata, block_size=kv_caches[0].shape[2])
         x = F.embedding(input_ids, self.embed_tokens)
-        if plan is not None and self.decoder_stack is not None and kv_caches[0].dtype == x.dtype:
+        if (plan is not None and self.decoder_stack is not None and x.dtype == torch.float32
+                and kv_caches[0].dtype in _KERNEL_KV_DTYPES):
             self.decoder_stack.forward(
                 x, positions, self.rotary.cos, self.rotary.sin, kv_caches, plan.slot_mapping,
                 plan.token_rows, plan.token_table_rows, plan.token_lens, plan.block_tables)

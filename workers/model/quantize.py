@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.model.kernels import cpu_kernels, dense_prefill_min_rows
+from workers.model.kernels import cpu_kernels, dense_prefill_min_rows, pack_amx, uses_amx
 from workers.model.linear import QUANTIZATION_MODES, Linear, QuantizedLinear, convert_linear
 from workers.model.llama import LlamaForCausalLM, RotaryEmbedding
 
@@ -62,16 +62,22 @@ def quantize_model(model: LlamaForCausalLM, mode: str, *, device: torch.device |
         # The output layer stays int8 under int4: from this GGUF's Q8_0 embedding, 4 bits cost
         # +7.9% perplexity against +0.5% for int8 (llama.cpp's Q4 mixes keep it wider too).
         head_mode = "int8" if mode == "int4" else mode
+        # The output layer sees a few rows in prefill, but a decode batch's every row: with AMX
+        # it gets a bf16 copy for those (32 rows x 49k channels took 6-8 ms on the int8 tiles).
+        shape = (model.embed_tokens if model.lm_head is None else model.lm_head.weight).shape
+        head_copy = uses_amx() and shape[0] % 16 == 0 and shape[1] % 32 == 0
         if model.lm_head is None:   # tied: the output layer gets its own copy in `head_mode`
             head = Linear(*model.embed_tokens.shape, device="cpu", dtype=torch.float32)
             head.weight.data = model.embed_tokens.data
-            # The output layer only ever sees a few rows: no bf16 prefill copy for it.
-            model.lm_head = convert_linear(head, head_mode, device, dtype, prefill_copy=False)
+            model.lm_head = convert_linear(head, head_mode, device, dtype, prefill_copy=head_copy)
             if isinstance(model.lm_head, Linear):   # never share storage with the lookup table
                 model.lm_head.weight.data = model.lm_head.weight.data.clone()
         else:
             model.lm_head = convert_linear(model.lm_head, head_mode, device, dtype,
-                                           prefill_copy=False)
+                                           prefill_copy=head_copy)
+        if getattr(model.lm_head, "dense_copy", None) is not None:
+            # (None with LLMMESH_DENSE_PREFILL=off: no bf16 copies at all, this one included.)
+            model.lm_head.use_amx_copy(dense_prefill_min_rows())
         projection_params = {id(m.weight) for m in model.modules() if isinstance(m, Linear)}
         for param in model.parameters():
             if id(param) not in projection_params:
@@ -92,6 +98,7 @@ def build_decoder_stack(model: LlamaForCausalLM):
         return None
     c = model.config
     stack = ext.DecoderStack(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+    amx = uses_amx()
     for layer, projections in zip(model.layers, layers):
         stack.add_layer(layer.input_layernorm.weight.data,
                         layer.post_attention_layernorm.weight.data,
@@ -101,7 +108,13 @@ def build_decoder_stack(model: LlamaForCausalLM):
                         [p.in_features for p in projections],
                         [p.mode == "int4" for p in projections])
         if all(p.dense_copy is not None for p in projections):
-            stack.add_dense_copies([p.dense_copy for p in projections])
+            if amx and all(p.out_features % 16 == 0 and p.in_features % 32 == 0
+                           for p in projections):
+                for p in projections:   # the packed copy replaces the plain one (same bytes)
+                    p.dense_copy = pack_amx(p.dense_copy)
+                stack.add_amx_weights([p.dense_copy for p in projections])
+            else:
+                stack.add_dense_copies([p.dense_copy for p in projections])
     stack.set_dense_min_rows(dense_prefill_min_rows())
     return stack
 

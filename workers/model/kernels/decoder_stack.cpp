@@ -17,6 +17,7 @@ struct Projection {
   int64_t n, k;
   bool int4;
   at::Tensor dense;   // optional bf16 copy [N, K] for qgemm_dense (prefill-sized calls)
+  at::Tensor amx;     // or that copy packed for qgemm_amx (AMX CPUs: decode batches too)
 };
 
 struct Layer {
@@ -50,6 +51,16 @@ class DecoderStack {
       TORCH_CHECK(dense[i].size(0) == p[i]->n && dense[i].size(1) == p[i]->k,
                   "copy shape mismatch");
       p[i]->dense = dense[i].contiguous();
+    }
+  }
+  // The same copies packed for AMX tiles (pack_amx), used instead of the plain ones.
+  void add_amx_weights(std::vector<at::Tensor> packed) {
+    TORCH_CHECK(!layers_.empty() && packed.size() == 4, "four packed copies per layer");
+    Layer& l = layers_.back();
+    Projection* p[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+    for (int i = 0; i < 4; ++i) {
+      TORCH_CHECK(packed[i].numel() == p[i]->n * p[i]->k, "packed copy size mismatch");
+      p[i]->amx = packed[i].contiguous();
     }
   }
   void set_dense_min_rows(int64_t rows) { dense_min_rows_ = rows; }
@@ -100,7 +111,9 @@ class DecoderStack {
   void into(const at::Tensor& input, const Projection& p, Pre pre, const at::Tensor& norm,
             const at::Tensor& out) {
     TORCH_CHECK(out.size(1) == p.n, "layers must share projection shapes");
-    if (use_dense(input, p))
+    if (use_amx(input, p))
+      qgemm_amx(input, p.amx, p.n, p.k, pre, norm, eps_, out, false);
+    else if (use_dense(input, p))
       qgemm_dense(input, p.dense, pre, norm, eps_, out, false);
     else
       qgemm(input, p.packed, p.scales, p.n, p.k, p.int4, pre, norm, eps_, out, false);
@@ -109,12 +122,17 @@ class DecoderStack {
   at::Tensor run(const at::Tensor& input, const Projection& p, Pre pre,
                  const c10::optional<at::Tensor>& norm, c10::optional<at::Tensor> residual) {
     const bool accumulate = residual.has_value();
+    if (use_amx(input, p))
+      return qgemm_amx(input, p.amx, p.n, p.k, pre, norm, eps_, residual, accumulate);
     if (use_dense(input, p))
       return qgemm_dense(input, p.dense, pre, norm, eps_, residual, accumulate);
     return qgemm(input, p.packed, p.scales, p.n, p.k, p.int4, pre, norm, eps_, residual,
                  accumulate);
   }
 
+  bool use_amx(const at::Tensor& input, const Projection& p) const {
+    return p.amx.defined() && dense_min_rows_ > 0 && input.size(0) >= dense_min_rows_;
+  }
   bool use_dense(const at::Tensor& input, const Projection& p) const {
     return p.dense.defined() && dense_min_rows_ > 0 && input.size(0) >= dense_min_rows_;
   }
@@ -140,6 +158,7 @@ void register_decoder_stack(pybind11::module& m) {
       .def(py::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("add_dense_copies", &DecoderStack::add_dense_copies)
+      .def("add_amx_weights", &DecoderStack::add_amx_weights)
       .def("set_dense_min_rows", &DecoderStack::set_dense_min_rows)
       .def("set_profiling", &DecoderStack::set_profiling)
       .def("profile", &DecoderStack::profile)

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention_avx512.h"
 #include "kernels.h"
 #include "vec_math.h"
 
@@ -18,10 +19,20 @@ namespace {
 bool g_split_k = true;
 bool g_attention_prefetch = true;
 bool g_prompt_tiles = true;
+// The decode attention's loops on AVX-512 where the CPU has it (attention_avx512.cpp).
+bool g_attention_avx512 = llmk_avx512::cpu_supported();
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kFloat && t.stride(1) == 1, name,
               ": expected fp32 [rows, cols] with contiguous rows");
+}
+
+// Whether a (checked) KV cache holds fp16 (IEEE half bits, read as uint16_t); else fp32.
+bool half_kv_cache(const at::Tensor& kv_cache) {
+  TORCH_CHECK(kv_cache.is_contiguous() &&
+                  (kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kHalf),
+              "kv_cache: contiguous fp32 or fp16");
+  return kv_cache.scalar_type() == at::kHalf;
 }
 
 }  // namespace
@@ -44,6 +55,10 @@ bool attention_split_k() { return g_split_k; }
 void set_attention_split_k(bool on) { g_split_k = on; }
 void set_attention_prefetch(bool on) { g_attention_prefetch = on; }
 void set_attention_prompt_tiles(bool on) { g_prompt_tiles = on; }
+void set_attention_avx512(bool on) {
+  TORCH_CHECK(!on || llmk_avx512::cpu_supported(), "this CPU has no AVX-512");
+  g_attention_avx512 = on;
+}
 
 // out = w * x * rsqrt(mean(x^2) + eps), row by row (HF LlamaRMSNorm in fp32).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -82,18 +97,25 @@ at::Tensor silu_mul(const at::Tensor& x) {
   return y;
 }
 
-// Rotate-half RoPE on the q and k heads of qkv [T, (H + 2 KVH) * D] in place, then store k and v
-// at their cache slots: kv_cache [2, blocks, block_size, KVH, D].
-void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos,
-                   const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& slot_mapping,
-                   int64_t num_heads, int64_t num_kv_heads) {
-  check_rows(qkv, "qkv");
-  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kFloat, "kv_cache: fp32");
+// Widens or narrows n floats into the cache's element type.
+static void store_row(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
+static void store_row(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) vm::store8(dst + i, _mm256_loadu_ps(src + i));
+  for (; i < n; ++i) dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
+template <typename T>
+static void rope_write_kv_impl(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                               const at::Tensor& sin, at::Tensor& kv_cache,
+                               const at::Tensor& slot_mapping, int64_t num_heads,
+                               int64_t num_kv_heads) {
   const int64_t t = qkv.size(0), d = kv_cache.size(4), half = d / 2;
   const int64_t kv_row = num_kv_heads * d, v_offset = kv_cache.numel() / 2;
+  T* cache = static_cast<T*>(kv_cache.data_ptr());
   const int64_t *pos = positions.data_ptr<int64_t>(), *slots = slot_mapping.data_ptr<int64_t>();
   const float *cs = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
-  float *base = qkv.data_ptr<float>(), *cache = kv_cache.data_ptr<float>();
+  float* base = qkv.data_ptr<float>();
   parallel_chunks(t, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float* row = base + i * qkv.stride(0);
@@ -107,23 +129,38 @@ void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor
         }
       }
       const float* k = row + num_heads * d;
-      std::copy(k, k + kv_row, cache + slots[i] * kv_row);
-      std::copy(k + kv_row, k + 2 * kv_row, cache + v_offset + slots[i] * kv_row);
+      store_row(k, cache + slots[i] * kv_row, kv_row);
+      store_row(k + kv_row, cache + v_offset + slots[i] * kv_row, kv_row);
     }
   });
+}
+
+// Rotate-half RoPE on the q and k heads of qkv [T, (H + 2 KVH) * D] in place, then store k and v
+// at their cache slots: kv_cache [2, blocks, block_size, KVH, D].
+void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos,
+                   const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& slot_mapping,
+                   int64_t num_heads, int64_t num_kv_heads) {
+  check_rows(qkv, "qkv");
+  if (half_kv_cache(kv_cache))
+    rope_write_kv_impl<uint16_t>(qkv, positions, cos, sin, kv_cache, slot_mapping, num_heads,
+                                 num_kv_heads);
+  else
+    rope_write_kv_impl<float>(qkv, positions, cos, sin, kv_cache, slot_mapping, num_heads,
+                              num_kv_heads);
 }
 
 // softmax(q K^T * scale) V for query heads [h0, h1) of one sequence (query head h reads KV head
 // h / group). Keys are walked token by token with every head's row of a token together, so one
 // sequence streams its cache rows contiguously instead of one head's 256-byte slice per pass.
+template <typename T>
 static void attend_heads(const float* q, float* out, int64_t h0, int64_t h1, int64_t group, int64_t d,
-                  const float* keys, const float* values, const int64_t* table, int64_t seq_len,
+                  const T* keys, const T* values, const int64_t* table, int64_t seq_len,
                   int64_t block_size, int64_t token_stride, float scale, std::vector<float>& p) {
   const int64_t heads = h1 - h0;
   p.resize(heads * seq_len);
   // Block by block: no integer division per key (it cost as much as a head's dot product).
   for (int64_t start = 0; start < seq_len; start += block_size) {
-    const float* k = keys + table[start / block_size] * block_size * token_stride;
+    const T* k = keys + table[start / block_size] * block_size * token_stride;
     const int64_t stop = std::min(seq_len, start + block_size);
     for (int64_t j = start; j < stop; ++j, k += token_stride)
       for (int64_t h = h0; h < h1; ++h)
@@ -136,7 +173,7 @@ static void attend_heads(const float* q, float* out, int64_t h0, int64_t h1, int
     std::fill(out + (h0 + h) * d, out + (h0 + h + 1) * d, 0.0f);
   }
   for (int64_t start = 0; start < seq_len; start += block_size) {
-    const float* v = values + table[start / block_size] * block_size * token_stride;
+    const T* v = values + table[start / block_size] * block_size * token_stride;
     const int64_t stop = std::min(seq_len, start + block_size);
     for (int64_t j = start; j < stop; ++j, v += token_stride)
       for (int64_t h = h0; h < h1; ++h)
@@ -144,18 +181,73 @@ static void attend_heads(const float* q, float* out, int64_t h0, int64_t h1, int
   }
 }
 
-// attend_heads for head_dim 64, one query head at a time with its query and output in eight
-// ymm registers: no per-key horizontal sum (four keys reduce together) and no output
-// load/store per key. ~1.8x fewer instructions; batch-1 attention was a quarter of a step.
+// The two loops of one head_dim-64 head, on AVX2 (attention_avx512.h has the AVX-512 pair, same
+// contracts): p[j] = scale * q . K[j], and out = inv * sum_j p[j] V[j], row j at base +
+// offsets[j]. Eight ymm hold the query (or the output): no per-key horizontal sum (four keys
+// reduce together) and no output load/store per key. With `prefetch` (the first head of a KV
+// group, which reads the rows from L3/DRAM; the group's other heads find them in L1), rows a
+// few keys ahead are prefetched, 4 lines per 256-byte row.
+template <typename T>
+static void prefetch_row_d64(const T* row) {   // 64 elements: 4 lines of fp32, 2 of fp16
+  for (int l = 0; l < static_cast<int>(sizeof(T)) * 64; l += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row) + l, _MM_HINT_T0);
+}
+
+template <typename T>
+static void scores_d64_avx2(const float* q, const T* keys, const int64_t* offsets, int64_t n,
+                            float scale, float* p, bool prefetch) {
+  __m256 qv[8];
+  for (int i = 0; i < 8; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
+  auto dot8 = [&](const T* k) {   // 8 partial sums of q . k
+    __m256 a = _mm256_mul_ps(qv[0], vm::load8(k));
+    __m256 b = _mm256_mul_ps(qv[1], vm::load8(k + 8));
+    for (int i = 2; i < 8; i += 2) {
+      a = _mm256_fmadd_ps(qv[i], vm::load8(k + 8 * i), a);
+      b = _mm256_fmadd_ps(qv[i + 1], vm::load8(k + 8 * i + 8), b);
+    }
+    return _mm256_add_ps(a, b);
+  };
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    if (prefetch)
+      for (int u = 8; u < 12; ++u)
+        if (j + u < n) prefetch_row_d64(keys + offsets[j + u]);
+    const __m256 s01 = _mm256_hadd_ps(dot8(keys + offsets[j]), dot8(keys + offsets[j + 1]));
+    const __m256 s23 = _mm256_hadd_ps(dot8(keys + offsets[j + 2]), dot8(keys + offsets[j + 3]));
+    const __m256 s = _mm256_hadd_ps(s01, s23);   // per 128-bit lane: keys j..j+3
+    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    _mm_storeu_ps(p + j, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+  }
+  for (; j < n; ++j) p[j] = vm::hsum(dot8(keys + offsets[j])) * scale;
+}
+
+template <typename T>
+static void weighted_sum_d64_avx2(const float* p, const T* values, const int64_t* offsets,
+                                  int64_t n, float inv, float* out, bool prefetch) {
+  __m256 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    if (prefetch && j + 8 < n) prefetch_row_d64(values + offsets[j + 8]);
+    const __m256 w = _mm256_set1_ps(p[j]);
+    const T* v = values + offsets[j];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, vm::load8(v + 8 * i), acc[i]);
+  }
+  const __m256 r = _mm256_set1_ps(inv);
+  for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], r));
+}
+
+// attend_heads for head_dim 64, one query head at a time through the loops above (AVX-512 where
+// the CPU has it); batch-1 attention was a quarter of a step.
 //
 // Keys [j0, j1) only; with `partial` (max, sum) per head go to partial[2 (h - h0)], and out gets
 // the unnormalised sum of exp(s - max) v, for a split-K combine (combine_partials).
+template <typename T>
 static void attend_heads_d64(const float* q, float* out, int64_t h0, int64_t h1, int64_t group,
-                             const float* keys, const float* values, const int64_t* table,
+                             const T* keys, const T* values, const int64_t* table,
                              int64_t j0, int64_t j1, int64_t block_size, int64_t token_stride,
                              float scale, std::vector<float>& p, float* partial = nullptr) {
   // Row offsets once per key range, shared by every head, K and V: no division per key.
-  // (offsets[j - j0] and p[j - j0]: the loops below index from the range start.)
+  // (offsets[j - j0] and p[j - j0]: the loops index from the range start.)
   const int64_t seq_len = j1 - j0;
   thread_local std::vector<int64_t> offsets;
   offsets.resize(seq_len);
@@ -165,51 +257,19 @@ static void attend_heads_d64(const float* q, float* out, int64_t h0, int64_t h1,
     for (; j < stop; ++j) offsets[j - j0] = (base + j) * token_stride;
   }
   p.resize(seq_len + 4);
+  using Loop = void (*)(const float*, const T*, const int64_t*, int64_t, float, float*, bool);
+  const Loop scores = g_attention_avx512 ? static_cast<Loop>(llmk_avx512::scores_d64)
+                                         : scores_d64_avx2<T>;
+  const Loop weighted_sum = g_attention_avx512 ? static_cast<Loop>(llmk_avx512::weighted_sum_d64)
+                                               : weighted_sum_d64_avx2<T>;
   for (int64_t h = h0; h < h1; ++h) {
-    __m256 qv[8];
-    for (int i = 0; i < 8; ++i) qv[i] = _mm256_loadu_ps(q + h * 64 + 8 * i);
-    const int64_t head_offset = (h / group) * 64;
-    auto row = [&](const float* base, int64_t j) { return base + offsets[j] + head_offset; };
-    auto dot8 = [&](const float* k) {   // 8 partial sums of q . k
-      __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
-      __m256 b = _mm256_mul_ps(qv[1], _mm256_loadu_ps(k + 8));
-      for (int i = 2; i < 8; i += 2) {
-        a = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(k + 8 * i), a);
-        b = _mm256_fmadd_ps(qv[i + 1], _mm256_loadu_ps(k + 8 * i + 8), b);
-      }
-      return _mm256_add_ps(a, b);
-    };
-    int64_t j = 0;
-    // The first head of a KV group reads its rows from L3/DRAM (the other heads of the group
-    // then find them in L1): prefetch a few keys ahead, 4 lines per 256-byte row.
     const bool pf = g_attention_prefetch && (h == h0 || h % group == 0);
-    auto prefetch_row = [&](const float* base, int64_t jj) {
-      if (jj < seq_len)
-        for (int l = 0; l < 4; ++l)
-          _mm_prefetch(reinterpret_cast<const char*>(row(base, jj)) + 64 * l, _MM_HINT_T0);
-    };
-    for (; j + 4 <= seq_len; j += 4) {
-      if (pf)
-        for (int u = 0; u < 4; ++u) prefetch_row(keys, j + 8 + u);
-      const __m256 s01 = _mm256_hadd_ps(dot8(row(keys, j)), dot8(row(keys, j + 1)));
-      const __m256 s23 = _mm256_hadd_ps(dot8(row(keys, j + 2)), dot8(row(keys, j + 3)));
-      const __m256 s = _mm256_hadd_ps(s01, s23);   // per 128-bit lane: keys j..j+3
-      const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-      _mm_storeu_ps(p.data() + j, _mm_mul_ps(sums, _mm_set1_ps(scale)));
-    }
-    for (; j < seq_len; ++j) p[j] = vm::hsum(dot8(row(keys, j))) * scale;
+    const int64_t head_offset = (h / group) * 64;
+    scores(q + h * 64, keys + head_offset, offsets.data(), seq_len, scale, p.data(), pf);
     const float mx = *std::max_element(p.begin(), p.begin() + seq_len);
     const float total = exp_shifted(p.data(), seq_len, mx);
-    __m256 acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-    for (j = 0; j < seq_len; ++j) {
-      if (pf) prefetch_row(values, j + 8);
-      const __m256 w = _mm256_set1_ps(p[j]);
-      const float* v = row(values, j);
-      for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * i), acc[i]);
-    }
-    const __m256 inv = _mm256_set1_ps(partial ? 1.0f : 1.0f / total);
-    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + h * 64 + 8 * i, _mm256_mul_ps(acc[i], inv));
+    weighted_sum(p.data(), values + head_offset, offsets.data(), seq_len,
+                 partial ? 1.0f : 1.0f / total, out + h * 64, pf);
     if (partial) {
       partial[2 * (h - h0)] = mx;
       partial[2 * (h - h0) + 1] = total;
@@ -262,15 +322,16 @@ static int64_t pad16(int64_t n) { return (n + 15) / 16 * 16; }
 static int64_t packed_floats(int64_t max_len) { return pad16(max_len) * 64 * 2; }
 
 // kt [blocks][64][16] (zero beyond len) and vc [len][64] for one KV head.
-static void pack_head(const float* keys, const float* values, const int64_t* table,
+template <typename T>
+static void pack_head(const T* keys, const T* values, const int64_t* table,
                       int64_t block_size, int64_t token_stride, int64_t head_offset, int64_t len,
                       float* kt, float* vc) {
   for (int64_t j = 0; j < len; ++j) {
     const int64_t at = (table[j / block_size] * block_size + j % block_size) * token_stride + head_offset;
-    const float* k = keys + at;
+    const T* k = keys + at;
     float* dst = kt + (j / 16) * 1024 + (j % 16);
-    for (int d = 0; d < 64; ++d) dst[d * 16] = k[d];
-    std::copy(values + at, values + at + 64, vc + j * 64);
+    for (int d = 0; d < 64; ++d) dst[d * 16] = vm::to_float(k[d]);
+    for (int d = 0; d < 64; d += 8) _mm256_storeu_ps(vc + j * 64 + d, vm::load8(values + at + d));
   }
   for (int64_t j = len; j < pad16(len); ++j) {
     float* dst = kt + (j / 16) * 1024 + (j % 16);
@@ -367,10 +428,11 @@ static std::vector<PromptSpan> find_spans(const int64_t* row_idx, const int64_t*
 
 // Every span's rows, all heads: pack per (span, KV head), then tiles of kTile query vectors
 // ordered (row, head within the KV group), heaviest tiles first.
+template <typename T>
 static void attend_spans(std::vector<PromptSpan> spans, const float* qbase,
                          int64_t q_stride, float* obase, int64_t o_stride, const int64_t* row_idx,
                          const int64_t* table_idx, const int64_t* lens, const int64_t* tables,
-                         int64_t table_stride, const float* keys, const float* values,
+                         int64_t table_stride, const T* keys, const T* values,
                          int64_t block_size, int64_t token_stride, int64_t num_heads,
                          int64_t num_kv_heads, float scale) {
   const int64_t group = num_heads / num_kv_heads;
@@ -430,19 +492,17 @@ static void attend_spans(std::vector<PromptSpan> spans, const float* qbase,
 // token's own causal length). Rows are dealt out zig-zag (first, last, second, ...), so the
 // contiguous halves that two threads get carry equal work when lengths grow along a prompt; a
 // batch smaller than the thread count is also split by KV head.
-void paged_attention(const at::Tensor& qkv, const at::Tensor& rows, const at::Tensor& table_rows,
-                     const at::Tensor& seq_lens, const at::Tensor& kv_cache,
-                     const at::Tensor& block_tables, at::Tensor out, int64_t num_heads,
-                     int64_t num_kv_heads, double scale) {
-  check_rows(qkv, "qkv");
-  check_rows(out, "out");
-  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.scalar_type() == at::kFloat, "kv_cache: fp32");
-  TORCH_CHECK(block_tables.stride(1) == 1, "block_tables rows must be contiguous");
+template <typename T>
+static void paged_attention_impl(const at::Tensor& qkv, const at::Tensor& rows,
+                                 const at::Tensor& table_rows, const at::Tensor& seq_lens,
+                                 const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                 at::Tensor& out, int64_t num_heads, int64_t num_kv_heads,
+                                 double scale) {
+  const T* keys = static_cast<const T*>(kv_cache.data_ptr());
   const int64_t count = seq_lens.size(0), block_size = kv_cache.size(2), d = kv_cache.size(4);
   const int64_t group = num_heads / num_kv_heads, token_stride = num_kv_heads * d;
   const int64_t splits = count < at::get_num_threads() ? num_kv_heads : 1;
-  const float* keys = kv_cache.data_ptr<float>();
-  const float* values = keys + kv_cache.numel() / 2;
+  const T* values = keys + kv_cache.numel() / 2;
   const int64_t *row_idx = rows.data_ptr<int64_t>(), *lens = seq_lens.data_ptr<int64_t>();
   const int64_t *table_idx = table_rows.data_ptr<int64_t>(), *tables = block_tables.data_ptr<int64_t>();
   const float* qbase = qkv.data_ptr<float>();
@@ -496,7 +556,7 @@ void paged_attention(const at::Tensor& qkv, const at::Tensor& rows, const at::Te
   };
   // One thread streams the fp32 cache at ~5-14 GB/s (K and V: 8 bytes per key element); fork
   // only when that takes well over what handing work to a (spinning) helper costs.
-  const double solo_us = total_keys * num_kv_heads * d * 8 / 8e3;
+  const double solo_us = total_keys * num_kv_heads * d * 2 * sizeof(T) / 8e3;
   const int threads = at::get_num_threads();
   if (solo_us < 10.0 || threads <= 1) {
     body(0, count * splits);
@@ -533,6 +593,23 @@ void paged_attention(const at::Tensor& qkv, const at::Tensor& rows, const at::Te
     return;
   }
   parallel_chunks(count * splits, 1, body);
+}
+
+// Attention for any mix of decode and prompt tokens, all read from the paged cache (fp32, or
+// fp16 widened as it loads): see paged_attention_impl.
+void paged_attention(const at::Tensor& qkv, const at::Tensor& rows, const at::Tensor& table_rows,
+                     const at::Tensor& seq_lens, const at::Tensor& kv_cache,
+                     const at::Tensor& block_tables, at::Tensor out, int64_t num_heads,
+                     int64_t num_kv_heads, double scale) {
+  check_rows(qkv, "qkv");
+  check_rows(out, "out");
+  TORCH_CHECK(block_tables.stride(1) == 1, "block_tables rows must be contiguous");
+  if (half_kv_cache(kv_cache))
+    paged_attention_impl<uint16_t>(qkv, rows, table_rows, seq_lens, kv_cache, block_tables, out,
+                                   num_heads, num_kv_heads, scale);
+  else
+    paged_attention_impl<float>(qkv, rows, table_rows, seq_lens, kv_cache, block_tables, out,
+                                num_heads, num_kv_heads, scale);
 }
 
 }  // namespace llmk

@@ -18,6 +18,8 @@ void park_pool_helpers();
 bool attention_split_k();
 void set_attention_split_k(bool on);
 void set_attention_prefetch(bool on);
+// The head_dim-64 decode attention on AVX-512 (default where the CPU has it; off: AVX2).
+void set_attention_avx512(bool on);
 // Prompt chunks of 8+ rows through the register-tiled span path (default on; off: per row).
 void set_attention_prompt_tiles(bool on);
 std::string qgemm_isa();
@@ -35,6 +37,12 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
 at::Tensor qgemm_dense(const at::Tensor& x, const at::Tensor& w, int64_t pre,
                        const c10::optional<at::Tensor>& norm_w, double eps,
                        c10::optional<at::Tensor> out, bool accumulate);
+// The same contract on AMX bf16 tiles (qgemm_amx.cpp), with the bf16 copy packed by pack_amx:
+// for calls of 16+ rows on CPUs with AMX, on our own pool.
+bool amx_available();
+at::Tensor qgemm_amx(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t k, int64_t pre,
+                     const c10::optional<at::Tensor>& norm_w, double eps,
+                     c10::optional<at::Tensor> out, bool accumulate);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& x);
 void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos,

@@ -20,6 +20,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out (+)= pre(x) @ W^T with a bf16 copy W [N, K] (oneDNN GEMM, prefill-sized calls)",
         py::arg("x"), py::arg("w"), py::arg("pre"), py::arg("norm_w"), py::arg("eps"),
         py::arg("out"), py::arg("accumulate"));
+  m.def("qgemm_amx", &llmk::qgemm_amx, release(),
+        "out (+)= pre(x) @ W^T with W's bf16 copy packed for AMX tiles (pack_amx in Python)",
+        py::arg("x"), py::arg("w"), py::arg("n"), py::arg("k"), py::arg("pre"),
+        py::arg("norm_w"), py::arg("eps"), py::arg("out"), py::arg("accumulate"));
+  m.def("amx_available", &llmk::amx_available, "AMX-BF16 tiles usable in this process");
   m.def("rms_norm", &llmk::rms_norm, release());
   m.def("silu_mul", &llmk::silu_mul, release());
   m.def("rope_write_kv", &llmk::rope_write_kv, release());

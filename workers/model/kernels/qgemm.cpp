@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "qgemm_amx.h"
 #include "qgemm_vnni.h"
 #include "vec_math.h"
 
@@ -286,6 +287,7 @@ void set_tunable(const std::string& name, double value) {
   else if (name == "attention_prefetch") set_attention_prefetch(value != 0.0);
   else if (name == "attention_split_k") set_attention_split_k(value != 0.0);
   else if (name == "attention_prompt_tiles") set_attention_prompt_tiles(value != 0.0);
+  else if (name == "attention_avx512") set_attention_avx512(value != 0.0);
   else TORCH_CHECK(false, "unknown tunable ", name);
 }
 
@@ -403,6 +405,49 @@ at::Tensor qgemm_dense(const at::Tensor& x, const at::Tensor& w, int64_t pre,
   TORCH_CHECK(y.size(0) == m && y.size(1) == n, "out must be [M, N]");
   if (accumulate) y.add_(yb);
   else y.copy_(yb);
+  return y;
+}
+
+bool amx_available() { return llmk_amx::available(); }
+
+at::Tensor qgemm_amx(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t k, int64_t pre,
+                     const c10::optional<at::Tensor>& norm_w, double eps,
+                     c10::optional<at::Tensor> out, bool accumulate) {
+  TORCH_CHECK(llmk_amx::available(), "this CPU (or kernel) gives no AMX tiles");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x: fp32 [M, K] rows");
+  TORCH_CHECK(k % llmk_amx::kKBlock == 0 && n % llmk_amx::kColBlock == 0, "AMX tiles need K % 32 == 0 and N % 16 == 0");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.numel() == n * k,
+              "w: bf16 packed by pack_amx");
+  const int64_t m = x.size(0), mp = (m + llmk_amx::kRowBlock - 1) / llmk_amx::kRowBlock * llmk_amx::kRowBlock;
+  TORCH_CHECK(x.size(1) == (pre == kSiluMul ? 2 * k : k), "x has ", x.size(1), " columns, K is ", k);
+  // The pre-op and the bf16 rounding in one pass per row; rows past M are zeros.
+  at::Tensor a = at::empty({mp, k}, x.options().dtype(at::kBFloat16));
+  auto* ab = reinterpret_cast<uint16_t*>(a.data_ptr<at::BFloat16>());
+  const float* nw = pre == kRmsNorm ? norm_w.value().data_ptr<float>() : nullptr;
+  const float* src = x.data_ptr<float>();
+  const int64_t stride = x.stride(0);
+  parallel_chunks(m, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(k);
+    for (int64_t r = begin; r < end; ++r) {
+      pre_row(src + r * stride, k, k, static_cast<Pre>(pre), nw, static_cast<float>(eps), row.data());
+      llmk_amx::to_bf16(row.data(), k, ab + r * k);
+    }
+  });
+  std::memset(ab + m * k, 0, (mp - m) * k * sizeof(uint16_t));
+  at::Tensor y;
+  if (out.has_value()) {
+    y = out.value();
+    TORCH_CHECK(y.size(0) == m && y.size(1) == n && y.stride(1) == 1, "out must be [M, N] rows");
+  } else {
+    y = at::empty({m, n}, x.options());
+    accumulate = false;
+  }
+  float* yp = y.data_ptr<float>();
+  const int64_t ldo = y.stride(0), blocks = n / llmk_amx::kColBlock;
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  parallel_chunks((blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    llmk_amx::gemm(ab, m, mp, k, wp, 2 * begin, std::min(2 * end, blocks), yp, ldo, accumulate);
+  });
   return y;
 }
 
