@@ -107,8 +107,12 @@ def _kernel_isa() -> str:
     if ext is None:
         return "none (torch fallback)"
     isa = ext.isa()
-    return ("AVX-512 VNNI for int8 at small batch, AVX2 otherwise" if isa == "avx512_vnni"
-            else isa.upper())
+    if isa != "avx512_vnni":
+        return isa.upper()
+    pairs = ext.pair_min_rows()
+    return ("AVX-512 VNNI: pair tiles (16 channels per activation broadcast) from "
+            f"{pairs} row{'s' if pairs > 1 else ''}, else pattern tiles for int8 and AVX2 for int4"
+            if pairs else "AVX-512 VNNI for int8 at small batch, AVX2 otherwise")
 
 
 def _version(package: str) -> str:
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             gguf, mode, device=args.device, threads=args.threads, concurrency=args.concurrency,
             prompt_len=args.prompt_len, new_tokens=args.new_tokens, ppl_tokens=args.ppl_tokens,
             repeats=args.repeats, ref=ref))
-    for mode in args.quality_modes:
+    for mode in args.quality_modes if args.ppl_tokens else []:   # --ppl-tokens 0: none
         print(f"[bench-engine] ours {mode} (perplexity and bytes only) ...", flush=True)
         mode_results.append(ours.quality_only(gguf, mode, device=args.device,
                                               threads=args.threads, ppl_tokens=args.ppl_tokens,

@@ -35,16 +35,21 @@ def _has_vnni() -> bool:
 _VNNI = _has_vnni()
 
 
-@pytest.fixture(params=["avx2", "avx512_vnni", "auto"])
+@pytest.fixture(params=["avx2", "avx512_vnni", "vnni_pairs", "auto"])
 def isa(request):
-    """Each GEMM tile implementation this CPU can run: AVX2 always; AVX-512 VNNI (forced for
-    every call, int8 and int4) and the default per-call choice where the CPU has it."""
+    """Each GEMM tile implementation this CPU can run: AVX2 always; AVX-512 VNNI (the pattern
+    tiles forced for every call, int8 and int4), the VNNI pair tiles (two weight tiles per
+    activation broadcast) for every call from one row, and the default per-call choice where
+    the CPU has it."""
     if request.param != "avx2" and not _VNNI:
         pytest.skip("CPU has no AVX-512 VNNI")
-    default = ext.vnni_mode()
-    ext.set_tunable("vnni", {"avx2": 0.0, "avx512_vnni": 2.0, "auto": 1.0}[request.param])
+    default, pair_rows = ext.vnni_mode(), ext.pair_min_rows()
+    ext.set_tunable("vnni", {"avx2": 0.0, "avx512_vnni": 2.0, "vnni_pairs": 1.0,
+                             "auto": 1.0}[request.param])
+    ext.set_tunable("vnni_pair_min_rows", 1.0 if request.param == "vnni_pairs" else pair_rows)
     yield request.param
     ext.set_tunable("vnni", float(default))
+    ext.set_tunable("vnni_pair_min_rows", float(pair_rows))
 
 
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &llmk::paged_attention, release());
   m.def("isa", &llmk::qgemm_isa, "the GEMM tiles in use: 'avx512_vnni' or 'avx2'");
   m.def("vnni_mode", &llmk::qgemm_vnni_mode, "0 AVX2 only, 1 VNNI where faster, 2 VNNI always");
+  m.def("pair_min_rows", &llmk::qgemm_pair_min_rows,
+        "rows from which a VNNI CPU runs the pair tiles (0: never)");
   m.def("set_tunable", &llmk::set_tunable, "A/B knob for benchmarks (prefetch_bytes, ...)");
   llmk::register_decoder_stack(m);
 }

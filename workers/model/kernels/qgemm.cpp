@@ -38,6 +38,7 @@ struct QuantizedRows {
   std::vector<int8_t> q;    // [M][Kp]
   std::vector<float> scale; // [M][G]
   std::vector<float> sum;   // [M][G]: scale * sum(q) (the int4 min term needs it)
+  std::vector<int32_t> qsum;  // [M][G]: sum(q), exact (the VNNI pair tiles' int8 weight offset)
   std::vector<int8_t> patterns;  // [M][G][256] for the VNNI tiles, empty otherwise
   int64_t kp = 0, groups = 0;
 };
@@ -60,7 +61,8 @@ void pre_row(const float* x, int64_t k, int64_t kp, Pre pre, const float* norm_w
 }
 
 // Blocks of 32 -> int8 with scale amax/127, round-to-nearest (as llama.cpp's q8_0/q8_1).
-void quantize_row(const float* row, int64_t groups, int8_t* q, float* scale, float* sum) {
+void quantize_row(const float* row, int64_t groups, int8_t* q, float* scale, float* sum,
+                  int32_t* qsum) {
   for (int64_t g = 0; g < groups; ++g) {
     const float* v = row + g * kBlock;
     __m256 x[4];
@@ -81,7 +83,9 @@ void quantize_row(const float* row, int64_t groups, int8_t* q, float* scale, flo
     packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * kBlock), packed);
     scale[g] = d;
-    sum[g] = d * static_cast<float>(vm::hsum_epi32(total));
+    const int32_t total_q = vm::hsum_epi32(total);
+    sum[g] = d * static_cast<float>(total_q);
+    qsum[g] = total_q;
   }
 }
 
@@ -94,6 +98,7 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t k, Pre pre, const float
   out.q.resize(m * out.kp);
   out.scale.resize(m * out.groups);
   out.sum.resize(m * out.groups);
+  out.qsum.resize(m * out.groups);
   if (vnni) out.patterns.resize(m * out.groups * 256);
   const float* src = x.data_ptr<float>();
   llmk::parallel_chunks(m, 16, [&](int64_t begin, int64_t end) {
@@ -101,7 +106,8 @@ QuantizedRows quantize_rows(const at::Tensor& x, int64_t k, Pre pre, const float
     for (int64_t r = begin; r < end; ++r) {
       pre_row(src + r * stride, k, out.kp, pre, norm_w, eps, row.data());
       quantize_row(row.data(), out.groups, out.q.data() + r * out.kp,
-                   out.scale.data() + r * out.groups, out.sum.data() + r * out.groups);
+                   out.scale.data() + r * out.groups, out.sum.data() + r * out.groups,
+                   out.qsum.data() + r * out.groups);
       if (vnni)
         llmk_vnni::build_patterns(out.q.data() + r * out.kp, out.groups, int4,
                                   out.patterns.data() + r * out.groups * 256);
@@ -142,6 +148,17 @@ const bool kVnniSupported = llmk_vnni::cpu_supported();
 int g_vnni = [] {
   const char* env = std::getenv("LLMMESH_KERNEL_ISA");
   return kVnniSupported && !(env && std::string(env) == "avx2") ? 1 : 0;
+}();
+
+// Rows from which a VNNI CPU runs the pair tiles (two 8-channel weight tiles per activation
+// broadcast, llmk_vnni::pair); 0 = never. LLMMESH_VNNI_PAIR_MIN_ROWS sets it (A/B in the engine).
+// In-engine A/B on the 2-core Zen 4 (same process, alternating, best of 3): int4 decode @32
+// 484 -> 580 tok/s, @8 365 -> 461, @4 303 -> 318, @2 196 -> 175; int8 @32 420 -> 522, @8
+// 281 -> 372, @2 and @4 even. At @32 a step's projections went 36 -> 25.5 ms. At 1-2 rows the
+// weights stream from DRAM and the AVX2 tiles keep up better, hence 4.
+int64_t g_pair_min_rows = [] {
+  const char* env = std::getenv("LLMMESH_VNNI_PAIR_MIN_ROWS");
+  return env ? std::max<int64_t>(0, std::atoll(env)) : int64_t{4};
 }();
 
 inline void prefetch_lines(const void* p, int lines) {
@@ -275,6 +292,7 @@ namespace llmk {
 
 std::string qgemm_isa() { return g_vnni ? "avx512_vnni" : "avx2"; }
 int64_t qgemm_vnni_mode() { return g_vnni; }
+int64_t qgemm_pair_min_rows() { return g_pair_min_rows; }
 
 // A/B knobs for benchmarks (not thread-safe against a running kernel; set between calls).
 void set_tunable(const std::string& name, double value) {
@@ -284,6 +302,10 @@ void set_tunable(const std::string& name, double value) {
     g_vnni = static_cast<int>(value);
   } else if (name == "qgemm_chunks") g_chunks = std::max<int64_t>(1, static_cast<int64_t>(value));
   else if (name == "parallel_min_us") g_parallel_min_us = value;
+  else if (name == "vnni_pair_min_rows") {
+    TORCH_CHECK(value == 0.0 || kVnniSupported, "this CPU has no AVX-512 VNNI");
+    g_pair_min_rows = static_cast<int64_t>(value);
+  }
   else if (name == "attention_prefetch") set_attention_prefetch(value != 0.0);
   else if (name == "attention_split_k") set_attention_split_k(value != 0.0);
   else if (name == "attention_prompt_tiles") set_attention_prompt_tiles(value != 0.0);
@@ -305,8 +327,11 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   // tok/s; int4 decode @1 303 -> 296 and int4 prefill 1,320 -> 1,170 (M=128), 1,280 -> 530 (M in
   // the hundreds: the patterns, re-read for every weight tile, fell out of L2).
   const int64_t groups = (k + kBlock - 1) / kBlock;
-  const bool vnni = g_vnni == 2 ||
-                    (g_vnni == 1 && !int4 && x.size(0) * groups * 256 <= (256 << 10));
+  // Batches of rows (decode steps) take the pair tiles: 16 channels per activation broadcast,
+  // 1.3-2.5x the GMAC/s of the tiles below at 32 rows (isolated calls, weights in cache).
+  const bool pairs = g_vnni == 1 && g_pair_min_rows > 0 && m >= g_pair_min_rows && nb >= 2;
+  const bool vnni = !pairs && (g_vnni == 2 ||
+                    (g_vnni == 1 && !int4 && x.size(0) * groups * 256 <= (256 << 10)));
   const QuantizedRows a = quantize_rows(x, k, static_cast<Pre>(pre), nw, static_cast<float>(eps),
                                         vnni, int4);
   TORCH_CHECK(packed.numel() == nb * a.kp * 8 / (int4 ? 2 : 1), "packed weight size mismatch");
@@ -334,8 +359,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
       }
     }
   };
-  auto body = [&](int64_t begin, int64_t end) {
-    if (vnni) return body_vnni(begin, end);
+  auto body_avx2 = [&](int64_t begin, int64_t end) {
     __m256 acc[kMr];
     for (int64_t b = begin; b < end; ++b) {
       const void* w = wbase + b * tile_bytes;
@@ -352,10 +376,44 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
       if (rest) store_tile(acc, rest, col_scale, ybase + r0 * ldo, ldo, b * 8, n, accumulate);
     }
   };
+  const llmk_vnni::Rows rows_q{a.q.data(), a.kp, a.scale.data(), a.sum.data(), a.qsum.data(),
+                               a.groups};
+  auto body_pairs = [&](int64_t begin, int64_t end) {   // in pairs of blocks
+    alignas(64) float tmp[llmk_vnni::kMaxRows * 16];
+    __m256 acc[llmk_vnni::kMaxRows];
+    const int64_t pf = prefetch_bytes();
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = 2 * i;
+      if (b + 1 >= nb) {   // an odd last block
+        body_avx2(b, b + 1);
+        continue;
+      }
+      const void* w0 = wbase + b * tile_bytes;
+      const void* w1 = wbase + (b + 1) * tile_bytes;
+      const uint16_t* sm0 = sm ? sm + b * a.groups * 16 : nullptr;
+      const uint16_t* sm1 = sm ? sm0 + a.groups * 16 : nullptr;
+      for (int64_t r0 = 0; r0 < m; r0 += llmk_vnni::kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(llmk_vnni::kMaxRows, m - r0));
+        llmk_vnni::pair(rows, int4, w0, w1, sm0, sm1, rows_q, r0, tmp, pf);
+        for (int half = 0; half < 2; ++half) {
+          for (int r = 0; r < rows; ++r) acc[r] = _mm256_load_ps(tmp + 16 * r + 8 * half);
+          store_tile(acc, rows, col_scale, ybase + r0 * ldo, ldo, (b + half) * 8, n, accumulate);
+        }
+      }
+    }
+  };
+  auto body = [&](int64_t begin, int64_t end) {
+    if (vnni) return body_vnni(begin, end);
+    body_avx2(begin, end);
+  };
   // Waking a sleeping helper costs ~5-20 us, more when its core is busy elsewhere: below ~3x
   // that one thread is faster (batch-1 qkv: 16 us alone, 31 us on two OpenMP threads).
   const double solo_us = tile_bytes * nb / 5e3 + static_cast<double>(m) * n * k / 50e3;
-  if (solo_us < parallel_min_us()) body(0, nb);
+  if (pairs) {
+    const int64_t np = (nb + 1) / 2;
+    if (solo_us < parallel_min_us()) body_pairs(0, np);
+    else parallel_chunks(np, std::max<int64_t>(1, np / (m <= 8 ? g_chunks : 32)), body_pairs);
+  } else if (solo_us < parallel_min_us()) body(0, nb);
   else {
     // Few long chunks for a weight stream (decode, a few rows); many for compute-bound calls
     // (prefill), where a helper preempted by another process mid-chunk would hold up the

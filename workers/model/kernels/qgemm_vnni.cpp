@@ -10,6 +10,10 @@
 //         that adds is taken off once per row (the `sum` of the activation blocks).
 //   int4: nibbles are unsigned already.
 //
+// The pair tiles (pair()) take two 8-channel weight tiles at once and broadcast the activations
+// from the plain int8 rows instead: one 4-byte broadcast feeds 16 channels, and nothing is built
+// or re-read per row. They serve batches (decode steps); see qgemm.cpp for where each runs.
+//
 // Only this file is compiled for AVX-512 (the pragma below, after every include): nothing here
 // may be an inline function shared with other files, or the linker could pick an AVX-512 copy
 // for the AVX2 code path. Everything is in an anonymous namespace except the entry points.
@@ -124,9 +128,145 @@ void dispatch(bool int4, const void* w, const uint16_t* sm, const llmk_vnni::Act
   else tile_int8<R>(static_cast<const int8_t*>(w), a, r0, out, pf);
 }
 
+// Two weight tiles at once (16 channels in a zmm: the first tile's 8 in the low half), and the
+// activations broadcast 4 bytes at a time from the plain rows: each broadcast serves 16 channels,
+// and no pattern buffer (8 bytes per activation byte, re-read from L2 for every weight tile)
+// is built or streamed. Batched decode: every row of the batch against the same weights.
+inline __m512i join(const void* lo, const void* hi) {
+  return _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(static_cast<const __m256i*>(lo))),
+      _mm256_loadu_si256(static_cast<const __m256i*>(hi)), 1);
+}
+
+inline __m512 join_ph(const uint16_t* lo, const uint16_t* hi) {
+  const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)));
+  const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)));
+  return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1);
+}
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+template <int R>
+void pair_int8(const int8_t* w0, const int8_t* w1, const llmk_vnni::Rows& a, int64_t r0,
+               float* out, int64_t pf) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int8_t* x[R];
+  const float* xs[R];
+  const int32_t* qs[R];
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) {
+    x[r] = a.q + (r0 + r) * a.kp;
+    xs[r] = a.scale + (r0 + r) * a.groups;
+    qs[r] = a.qsum + (r0 + r) * a.groups;
+    acc[r] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < a.groups; ++g) {
+    if (pf) {
+      prefetch_lines(w0 + g * 256 + pf, 4);
+      prefetch_lines(w1 + g * 256 + pf, 4);
+    }
+    __m512i wv[8];
+    for (int s = 0; s < 8; ++s)
+      wv[s] = _mm512_xor_si512(join(w0 + g * 256 + 32 * s, w1 + g * 256 + 32 * s), flip);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xp = x[r] + g * 32;
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], bcast4(xp));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[1], bcast4(xp + 4));
+      s0 = _mm512_dpbusd_epi32(s0, wv[2], bcast4(xp + 8));
+      s1 = _mm512_dpbusd_epi32(s1, wv[3], bcast4(xp + 12));
+      s0 = _mm512_dpbusd_epi32(s0, wv[4], bcast4(xp + 16));
+      s1 = _mm512_dpbusd_epi32(s1, wv[5], bcast4(xp + 20));
+      s0 = _mm512_dpbusd_epi32(s0, wv[6], bcast4(xp + 24));
+      s1 = _mm512_dpbusd_epi32(s1, wv[7], bcast4(xp + 28));
+      // The +128 on every weight added 128 * sum(q): taken off in integers, exactly (in fp32
+      // after the K sum it cancelled digits: 1e-4 off on K = 1536).
+      const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(128 * qs[r][g]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(xs[r][g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+template <int R>
+void pair_int4(const uint8_t* w0, const uint8_t* w1, const uint16_t* sm0, const uint16_t* sm1,
+               const llmk_vnni::Rows& a, int64_t r0, float* out, int64_t pf) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const int8_t* x[R];
+  const float *xs[R], *xsum[R];
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) {
+    x[r] = a.q + (r0 + r) * a.kp;
+    xs[r] = a.scale + (r0 + r) * a.groups;
+    xsum[r] = a.sum + (r0 + r) * a.groups;
+    acc[r] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < a.groups; ++g) {
+    if (pf) {
+      prefetch_lines(w0 + g * 128 + pf, 2);
+      prefetch_lines(w1 + g * 128 + pf, 2);
+      if ((g & 1) == 0) {
+        prefetch_lines(sm0 + g * 16 + pf / 4, 1);
+        prefetch_lines(sm1 + g * 16 + pf / 4, 1);
+      }
+    }
+    __m512i lo[4], hi[4];
+    for (int p = 0; p < 4; ++p) {
+      const __m512i v = join(w0 + g * 128 + 32 * p, w1 + g * 128 + 32 * p);
+      lo[p] = _mm512_and_si512(v, low);
+      hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    const __m512 d = join_ph(sm0 + g * 16, sm1 + g * 16);
+    const __m512 mn = join_ph(sm0 + g * 16 + 8, sm1 + g * 16 + 8);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xp = x[r] + g * 32;
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], bcast4(xp));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], bcast4(xp + 4));
+      s0 = _mm512_dpbusd_epi32(s0, lo[1], bcast4(xp + 8));
+      s1 = _mm512_dpbusd_epi32(s1, hi[1], bcast4(xp + 12));
+      s0 = _mm512_dpbusd_epi32(s0, lo[2], bcast4(xp + 16));
+      s1 = _mm512_dpbusd_epi32(s1, hi[2], bcast4(xp + 20));
+      s0 = _mm512_dpbusd_epi32(s0, lo[3], bcast4(xp + 24));
+      s1 = _mm512_dpbusd_epi32(s1, hi[3], bcast4(xp + 28));
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(xs[r][g])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[r][g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+template <int R>
+void dispatch_pair(bool int4, const void* w0, const void* w1, const uint16_t* sm0,
+                   const uint16_t* sm1, const llmk_vnni::Rows& a, int64_t r0, float* out,
+                   int64_t pf) {
+  if (int4)
+    pair_int4<R>(static_cast<const uint8_t*>(w0), static_cast<const uint8_t*>(w1), sm0, sm1, a,
+                 r0, out, pf);
+  else
+    pair_int8<R>(static_cast<const int8_t*>(w0), static_cast<const int8_t*>(w1), a, r0, out, pf);
+}
+
 }  // namespace
 
 namespace llmk_vnni {
+
+void pair(int rows, bool int4, const void* w0, const void* w1, const uint16_t* sm0,
+          const uint16_t* sm1, const Rows& a, int64_t r0, float* out, int64_t pf) {
+  switch (rows) {
+    case 1: dispatch_pair<1>(int4, w0, w1, sm0, sm1, a, r0, out, pf); break;
+    case 2: dispatch_pair<2>(int4, w0, w1, sm0, sm1, a, r0, out, pf); break;
+    case 3: dispatch_pair<3>(int4, w0, w1, sm0, sm1, a, r0, out, pf); break;
+    case 4: dispatch_pair<4>(int4, w0, w1, sm0, sm1, a, r0, out, pf); break;
+    case 5: dispatch_pair<5>(int4, w0, w1, sm0, sm1, a, r0, out, pf); break;
+    case 6: dispatch_pair<6>(int4, w0, w1, sm0, sm1, a, r0, out, pf); break;
+    case 7: dispatch_pair<7>(int4, w0, w1, sm0, sm1, a, r0, out, pf); break;
+    default: dispatch_pair<8>(int4, w0, w1, sm0, sm1, a, r0, out, pf); break;
+  }
+}
 
 void build_patterns(const int8_t* q, int64_t groups, bool int4, int8_t* patterns) {
   // int8: zmm j holds k-steps 2j (low half) and 2j + 1: dwords (2j, 2j + 1).

@@ -25,4 +25,19 @@ void build_patterns(const int8_t* q, int64_t groups, bool int4, int8_t* patterns
 void tile(int rows, bool int4, const void* w, const uint16_t* sm, const Acts& a, int64_t r0,
           float* out, int64_t prefetch_bytes);
 
+// The plain quantized rows, for the pair tiles (no patterns: activations are broadcast).
+struct Rows {
+  const int8_t* q;            // [M][kp]
+  int64_t kp;
+  const float* scale;         // [M][groups]
+  const float* sum;           // [M][groups]
+  const int32_t* qsum;        // [M][groups]: sum(q), exact
+  int64_t groups;
+};
+
+// out[r][16] = rows r0 .. r0 + rows - 1 (rows <= kMaxRows) against two 8-channel weight tiles
+// (w0's channels in out[r][0..7], w1's in out[r][8..15]), as tile() does for one.
+void pair(int rows, bool int4, const void* w0, const void* w1, const uint16_t* sm0,
+          const uint16_t* sm1, const Rows& a, int64_t r0, float* out, int64_t prefetch_bytes);
+
 }  // namespace llmk_vnni
