@@ -28,6 +28,9 @@ RECENT_HASH_TTL_S = 3.0
 # grpcio 1.85 enforces the unanswered ping by ping_timeout_ms, not keepalive_timeout_ms: with
 # the latter alone a call on a SIGSTOPped peer waited out its 30 s deadline; with both, it
 # ended UNAVAILABLE 4.0 s after the stop.
+# A replaced handle's channel (the worker restarted or moved) closes after this long: calls
+# still on it were to the process that is gone, and end, retried elsewhere, by then.
+RETIRED_CHANNEL_GRACE_S = 10.0
 WORKER_KEEPALIVE = (("grpc.keepalive_time_ms", 2_000), ("grpc.keepalive_timeout_ms", 2_000),
                     ("grpc.http2.ping_timeout_ms", 2_000), ("grpc.http2.max_pings_without_data", 0))
 
@@ -58,6 +61,8 @@ class WorkerHandle:
     lease_models: tuple[dict, ...] = ()
     # Requests the worker runs at once (its engine's seats); max_inflight beyond it waits there.
     max_running: int = 0
+    # The worker process's id in its lease: a new one at the same address is a restart.
+    incarnation: str | None = None
 
     def models(self) -> dict[str, tuple[str, float, bool]]:
         """Servable model -> (state, cold-start seconds, evictable), freshest source first."""
@@ -125,6 +130,8 @@ class WorkerRegistry:
         self.refresh_s = refresh_s
         self.workers: dict[str, WorkerHandle] = {}
         self.changed = asyncio.Event()
+        # Channels of replaced handles, closing after their grace (close() ends them at once).
+        self._retiring: dict[asyncio.Task, grpc.aio.Channel] = {}
 
     async def refresh(self) -> None:
         leases: dict[str, dict] = {}
@@ -150,7 +157,19 @@ class WorkerRegistry:
                 await self.workers.pop(worker_id).channel.close()
         for worker_id, info in leases.items():
             handle = self.workers.get(worker_id)
-            if handle is None or handle.address != info["address"]:
+            if handle is None:
+                self._add(info)
+            elif (handle.address != info["address"]
+                  or handle.incarnation != info.get("incarnation")):
+                # Moved, or restarted at the same address (a fixed --advertise name): a fresh
+                # handle, or the new process would inherit the old one's open circuit, its
+                # channel's reconnect backoff (up to minutes after a long outage) and the cache
+                # index of a KV cache that is gone. The old channel closes once the calls on it
+                # (to a process that is gone) have had their grace.
+                log.warning("worker %s restarted (%s, incarnation %s -> %s); fresh handle",
+                            worker_id, info["address"], handle.incarnation,
+                            info.get("incarnation"))
+                self._retire(handle)
                 self._add(info)
             self.workers[worker_id].lease_models = tuple(_lease_models(info))
         await self._probe_loads()
@@ -166,8 +185,14 @@ class WorkerRegistry:
             stub=worker_pb2_grpc.WorkerServiceStub(channel),
             breaker=CircuitBreaker(info["worker_id"], open_s=self.breaker_open_s),
             lease_models=tuple(_lease_models(info)),
-            max_running=int(info.get("max_running") or info.get("max_inflight", 32)))
+            max_running=int(info.get("max_running") or info.get("max_inflight", 32)),
+            incarnation=info.get("incarnation"))
         log.info("worker %s at %s joined", info["worker_id"], info["address"])
+
+    def _retire(self, handle: WorkerHandle) -> None:
+        task = asyncio.create_task(handle.channel.close(RETIRED_CHANNEL_GRACE_S))
+        self._retiring[task] = handle.channel
+        task.add_done_callback(lambda t: self._retiring.pop(t, None))
 
     async def _probe_loads(self) -> None:
         async def probe(h: WorkerHandle):
@@ -207,3 +232,6 @@ class WorkerRegistry:
     async def close(self) -> None:
         for h in self.workers.values():
             await h.channel.close()
+        for task, channel in list(self._retiring.items()):
+            task.cancel()
+            await channel.close()

@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
@@ -170,9 +171,14 @@ async def main() -> None:
     supervisor.add_check("redis", redis_check(redis))
     supervisor.add_check("engine", engine_check(engine))
 
+    # This process's id in the lease: routers replace their handle when it changes (a restart
+    # at the same advertised address must not inherit the old one's circuit or channel).
+    incarnation = uuid.uuid4().hex[:12]
+
     def ready(address: str) -> None:
         def lease() -> dict:
             return {"worker_id": args.worker_id, "address": args.advertise or address,
+                    "incarnation": incarnation,
                     "models": host.lease_models(),
                     "max_inflight": args.max_num_seqs + max(2, args.max_num_seqs // 4),
                     # Seats that run at once: the rest of max_inflight waits in the engine

@@ -152,3 +152,34 @@ def test_a_malformed_lease_or_one_naming_another_worker_is_skipped_not_fatal(red
             await redis.aclose()
     workers = asyncio.run(run())
     assert list(workers) == ["w1"] and workers["w1"] != "127.0.0.1:1"
+
+
+def test_a_worker_restarted_at_the_same_address_gets_a_fresh_handle(redis_server, serve_as):
+    """A lease refresh from the same process keeps the handle (its open circuit included); a new
+    incarnation at the same address (a restart behind a fixed --advertise name) replaces it:
+    closed circuit, no cache index of the KV cache that is gone, a new channel."""
+    async def body():
+        worker, server, redis, registry = await _start(redis_server, serve_as)
+        lease = json.loads(await redis.get(queue.worker_key("w1")))
+        try:
+            await redis.set(queue.worker_key("w1"), json.dumps({**lease, "incarnation": "a"}))
+            await registry.refresh()
+            (old,) = registry.workers.values()
+            for _ in range(3):
+                old.breaker.on_failure()
+            old.recent_hashes[42] = time.monotonic()
+            await registry.refresh()                       # the same process renews
+            assert registry.workers["w1"] is old
+            assert old.breaker.state is CircuitState.OPEN and registry.available() == []
+            await redis.set(queue.worker_key("w1"), json.dumps({**lease, "incarnation": "b"}))
+            await registry.refresh()                       # restarted, same address
+            new = registry.workers["w1"]
+            assert new is not old and new.address == old.address and new.incarnation == "b"
+            assert new.breaker.state is CircuitState.CLOSED and not new.recent_hashes
+            assert registry.available() == [new]
+            assert new.channel is not old.channel
+        finally:
+            await registry.close()
+            await redis.aclose()
+            await server.stop(0)
+    asyncio.run(body())
