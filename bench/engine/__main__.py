@@ -109,10 +109,11 @@ def _kernel_isa() -> str:
     isa = ext.isa()
     if isa != "avx512_vnni":
         return isa.upper()
-    pairs = ext.pair_min_rows()
-    return ("AVX-512 VNNI: pair tiles (16 channels per activation broadcast) from "
-            f"{pairs} row{'s' if pairs > 1 else ''}, else pattern tiles for int8 and AVX2 for int4"
-            if pairs else "AVX-512 VNNI for int8 at small batch, AVX2 otherwise")
+    pairs, patterns = ext.pair_min_rows(), ext.patterns_pay()
+    few = "pattern tiles for int8 and AVX2 for int4" if patterns else "AVX2"
+    return (f"AVX-512 VNNI: pair tiles (16 channels per activation broadcast) from {pairs} "
+            f"row{'s' if pairs > 1 else ''}, else {few}" if pairs
+            else "AVX-512 VNNI for int8 at small batch, AVX2 otherwise" if patterns else "AVX2")
 
 
 def _version(package: str) -> str:

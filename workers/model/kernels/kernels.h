@@ -25,6 +25,7 @@ void set_attention_prompt_tiles(bool on);
 std::string qgemm_isa();
 int64_t qgemm_vnni_mode();
 int64_t qgemm_pair_min_rows();
+bool qgemm_patterns_pay();
 void set_tunable(const std::string& name, double value);
 
 enum Pre : int64_t { kNone = 0, kRmsNorm = 1, kSiluMul = 2 };

@@ -33,6 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vnni_mode", &llmk::qgemm_vnni_mode, "0 AVX2 only, 1 VNNI where faster, 2 VNNI always");
   m.def("pair_min_rows", &llmk::qgemm_pair_min_rows,
         "rows from which a VNNI CPU runs the pair tiles (0: never)");
+  m.def("patterns_pay", &llmk::qgemm_patterns_pay,
+        "whether int8 calls of a few rows take the VNNI pattern tiles here (else AVX2)");
   m.def("set_tunable", &llmk::set_tunable, "A/B knob for benchmarks (prefetch_bytes, ...)");
   llmk::register_decoder_stack(m);
 }

@@ -145,6 +145,10 @@ int64_t g_chunks = 8;
 // 0 = AVX2 only, 1 = VNNI where it measured faster (see qgemm), 2 = VNNI for every int8/int4
 // call (tests and A/B).
 const bool kVnniSupported = llmk_vnni::cpu_supported();
+// int8 at 1-3 rows, in-engine A/B of the pattern tiles against AVX2 (same process, alternating):
+// the Xeon decoded @1 at 186 against 166 tok/s; the Zen 4 at 117 against 132 (medians of 5;
+// @2 137 against 161). So the pattern tiles run there only on Intel CPUs.
+const bool kPatternsPay = llmk_vnni::patterns_pay();
 int g_vnni = [] {
   const char* env = std::getenv("LLMMESH_KERNEL_ISA");
   return kVnniSupported && !(env && std::string(env) == "avx2") ? 1 : 0;
@@ -293,6 +297,7 @@ namespace llmk {
 std::string qgemm_isa() { return g_vnni ? "avx512_vnni" : "avx2"; }
 int64_t qgemm_vnni_mode() { return g_vnni; }
 int64_t qgemm_pair_min_rows() { return g_pair_min_rows; }
+bool qgemm_patterns_pay() { return kPatternsPay; }
 
 // A/B knobs for benchmarks (not thread-safe against a running kernel; set between calls).
 void set_tunable(const std::string& name, double value) {
@@ -331,7 +336,8 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   // 1.3-2.5x the GMAC/s of the tiles below at 32 rows (isolated calls, weights in cache).
   const bool pairs = g_vnni == 1 && g_pair_min_rows > 0 && m >= g_pair_min_rows && nb >= 2;
   const bool vnni = !pairs && (g_vnni == 2 ||
-                    (g_vnni == 1 && !int4 && x.size(0) * groups * 256 <= (256 << 10)));
+                    (g_vnni == 1 && !int4 && kPatternsPay &&
+                     x.size(0) * groups * 256 <= (256 << 10)));
   const QuantizedRows a = quantize_rows(x, k, static_cast<Pre>(pre), nw, static_cast<float>(eps),
                                         vnni, int4);
   TORCH_CHECK(packed.numel() == nb * a.kp * 8 / (int4 ? 2 : 1), "packed weight size mismatch");

@@ -310,4 +310,9 @@ bool cpu_supported() {
          __builtin_cpu_supports("avx512vnni");
 }
 
+bool patterns_pay() {
+  __builtin_cpu_init();
+  return !__builtin_cpu_is("amd");
+}
+
 }  // namespace llmk_vnni

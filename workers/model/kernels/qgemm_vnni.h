@@ -17,6 +17,10 @@ struct Acts {
 // True when this CPU has avx512f/bw/vl/dq/vnni (checked with cpuid, not compiler flags).
 bool cpu_supported();
 
+// Whether the pattern tiles (tile()) beat the AVX2 ones for int8 at a few rows on this CPU: on
+// Intel (measured on a Xeon), not on AMD (measured on a Zen 4).
+bool patterns_pay();
+
 // One activation row's int8 blocks (groups x 32 bytes) -> groups x 256 pattern bytes.
 void build_patterns(const int8_t* q, int64_t groups, bool int4, int8_t* patterns);
 
