@@ -150,6 +150,18 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// sum over one 32-block of w[j] (16 channels x 4 k) times activation bytes 4j .. 4j + 3, in two
+// chains so the dpbusd latencies overlap.
+inline __m512i dot32(const __m512i (&w)[8], const int8_t* xp) {
+  __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], bcast4(xp));
+  __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], bcast4(xp + 4));
+  for (int j = 2; j < 8; j += 2) {
+    s0 = _mm512_dpbusd_epi32(s0, w[j], bcast4(xp + 4 * j));
+    s1 = _mm512_dpbusd_epi32(s1, w[j + 1], bcast4(xp + 4 * j + 4));
+  }
+  return _mm512_add_epi32(s0, s1);
+}
+
 template <int R>
 void pair_int8(const int8_t* w0, const int8_t* w1, const llmk_vnni::Rows& a, int64_t r0,
                float* out, int64_t pf) {
@@ -173,18 +185,10 @@ void pair_int8(const int8_t* w0, const int8_t* w1, const llmk_vnni::Rows& a, int
     for (int s = 0; s < 8; ++s)
       wv[s] = _mm512_xor_si512(join(w0 + g * 256 + 32 * s, w1 + g * 256 + 32 * s), flip);
     for (int r = 0; r < R; ++r) {
-      const int8_t* xp = x[r] + g * 32;
-      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[0], bcast4(xp));
-      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[1], bcast4(xp + 4));
-      s0 = _mm512_dpbusd_epi32(s0, wv[2], bcast4(xp + 8));
-      s1 = _mm512_dpbusd_epi32(s1, wv[3], bcast4(xp + 12));
-      s0 = _mm512_dpbusd_epi32(s0, wv[4], bcast4(xp + 16));
-      s1 = _mm512_dpbusd_epi32(s1, wv[5], bcast4(xp + 20));
-      s0 = _mm512_dpbusd_epi32(s0, wv[6], bcast4(xp + 24));
-      s1 = _mm512_dpbusd_epi32(s1, wv[7], bcast4(xp + 28));
       // The +128 on every weight added 128 * sum(q): taken off in integers, exactly (in fp32
       // after the K sum it cancelled digits: 1e-4 off on K = 1536).
-      const __m512i s = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(128 * qs[r][g]));
+      const __m512i s = _mm512_sub_epi32(dot32(wv, x[r] + g * 32),
+                                         _mm512_set1_epi32(128 * qs[r][g]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(xs[r][g]), acc[r]);
     }
   }
@@ -213,25 +217,16 @@ void pair_int4(const uint8_t* w0, const uint8_t* w1, const uint16_t* sm0, const 
         prefetch_lines(sm1 + g * 16 + pf / 4, 1);
       }
     }
-    __m512i lo[4], hi[4];
+    __m512i wv[8];   // low nibbles (k = 8p + j) at 2p, high ones (k + 4) at 2p + 1
     for (int p = 0; p < 4; ++p) {
       const __m512i v = join(w0 + g * 128 + 32 * p, w1 + g * 128 + 32 * p);
-      lo[p] = _mm512_and_si512(v, low);
-      hi[p] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      wv[2 * p] = _mm512_and_si512(v, low);
+      wv[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
     const __m512 d = join_ph(sm0 + g * 16, sm1 + g * 16);
     const __m512 mn = join_ph(sm0 + g * 16 + 8, sm1 + g * 16 + 8);
     for (int r = 0; r < R; ++r) {
-      const int8_t* xp = x[r] + g * 32;
-      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], bcast4(xp));
-      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], bcast4(xp + 4));
-      s0 = _mm512_dpbusd_epi32(s0, lo[1], bcast4(xp + 8));
-      s1 = _mm512_dpbusd_epi32(s1, hi[1], bcast4(xp + 12));
-      s0 = _mm512_dpbusd_epi32(s0, lo[2], bcast4(xp + 16));
-      s1 = _mm512_dpbusd_epi32(s1, hi[2], bcast4(xp + 20));
-      s0 = _mm512_dpbusd_epi32(s0, lo[3], bcast4(xp + 24));
-      s1 = _mm512_dpbusd_epi32(s1, hi[3], bcast4(xp + 28));
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      const __m512 dot = _mm512_cvtepi32_ps(dot32(wv, x[r] + g * 32));
       acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(xs[r][g])), acc[r]);
       acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[r][g]), acc[r]);
     }
