@@ -166,7 +166,7 @@ class WorkerRegistry:
                 # channel's reconnect backoff (up to minutes after a long outage) and the cache
                 # index of a KV cache that is gone. The old channel closes once the calls on it
                 # (to a process that is gone) have had their grace.
-                log.warning("worker %s restarted (%s, incarnation %s -> %s); fresh handle",
+                log.warning("worker %s moved or restarted (%s, incarnation %s -> %s); fresh handle",
                             worker_id, info["address"], handle.incarnation,
                             info.get("incarnation"))
                 self._retire(handle)
