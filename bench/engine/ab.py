@@ -38,6 +38,9 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", action="store_true",
                    help="per-phase ms per decode step (decoder stack, output layer, the rest)")
+    p.add_argument("--per-step", action="store_true",
+                   help="switch the setting every decode step of one batch instead of every "
+                        "round: drift on a shared host then falls on every setting alike")
     return p.parse_args(argv)
 
 
@@ -75,6 +78,32 @@ def _profiled_decode(core, model, n: int, args, tag: str) -> dict[str, float]:
     return out
 
 
+def _per_step_decode(core, ext, args, n: int, tag: str) -> dict[float, list[float]]:
+    """Seconds of each pure-decode step of n sequences, by setting; the setting changes every
+    step (round-robin), so a slow second of the host lands on every setting alike."""
+    rng = random.Random(tag)
+    ours._submit(core, ours._prompts(rng, n, args.prompt_len, core.vocab_size), args.new_tokens, tag)
+    started: set[str] = set()
+    while len(started) < n:
+        started.update(o.request_id for o in core.step() if o.new_token_ids)
+    times: dict[float, list[float]] = {s: [] for s in args.settings}
+    i = 0
+    while core.has_work():
+        s = args.settings[i % len(args.settings)]
+        ext.set_tunable(args.knob, s)
+        t = time.perf_counter()
+        outs = core.step()
+        dt = time.perf_counter() - t
+        if sum(1 for o in outs if o.new_token_ids) == n:   # a full batch of decode tokens
+            times[s].append(dt)
+        i += 1
+    return times
+
+
+def _quartile(values: list[float]) -> float:
+    return statistics.quantiles(values, n=4)[0] if len(values) >= 4 else min(values)
+
+
 def main(argv=None) -> None:
     args = _args(argv)
     ext = cpu_kernels()
@@ -87,10 +116,15 @@ def main(argv=None) -> None:
         raise SystemExit(f"--profile needs the fused decoder stack ({args.mode} has none)")
     tok_s: dict[tuple[float, int], list[float]] = {}
     prof: dict[tuple[float, int], list[dict[str, float]]] = {}
+    steps: dict[tuple[float, int], list[float]] = {}
     try:
         with torch.inference_mode():
             ours.warm_up(core)
-            for r in range(args.rounds):
+            for r in range(args.rounds if args.per_step else 0):
+                for n in args.concurrency:
+                    for s, t in _per_step_decode(core, ext, args, n, f"s{r}-{n}").items():
+                        steps.setdefault((s, n), []).extend(t)
+            for r in range(0 if args.per_step else args.rounds):
                 for s in args.settings:
                     ext.set_tunable(args.knob, s)
                     for n in args.concurrency:
@@ -102,6 +136,17 @@ def main(argv=None) -> None:
                                 _profiled_decode(core, model, n, args, f"p{r}-{s}-{n}"))
     finally:
         ext.set_tunable(args.knob, args.settings[0])
+    if args.per_step:
+        print(f"{args.knob}, {args.mode}, {args.rounds} rounds, setting switched every step; "
+              f"decode tok/s from the median and the lower-quartile step time")
+        for n in args.concurrency:
+            base = statistics.median(steps[args.settings[0], n])
+            for s in args.settings:
+                t = steps[s, n]
+                med = statistics.median(t)
+                print(f"  @{n:<3} {args.knob}={s:g}: {len(t)} steps, median {n / med:.0f} "
+                      f"({base / med:.3f}x), lower quartile {n / _quartile(t):.0f}")
+        return
     print(f"{args.knob}, {args.mode}, {args.rounds} rounds alternating; decode tok/s")
     for n in args.concurrency:
         base = statistics.median(tok_s[args.settings[0], n])

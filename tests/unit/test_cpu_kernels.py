@@ -135,6 +135,34 @@ def test_rms_norm_and_silu_mul_kernels():
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (6, 1001), (33, 7), (2, 1)])
+def test_argmax_rows_matches_torch_argmax(rows, vocab):
+    gen = torch.Generator().manual_seed(rows * vocab)
+    x = torch.randn(rows, vocab, generator=gen)
+    assert torch.equal(ext.argmax_rows(x), x.argmax(1))
+    # Ties: the first index wins, in the vector part and in the scalar tail alike.
+    x = torch.randint(0, 3, (rows, vocab), generator=gen).float()
+    assert torch.equal(ext.argmax_rows(x), x.argmax(1))
+    # A row of -inf (every token masked) gives 0, as torch does.
+    x[0] = float("-inf")
+    assert ext.argmax_rows(x)[0].item() == x.argmax(1)[0].item() == 0
+
+
+def test_argmax_rows_nan_and_strided_rows():
+    x = torch.randn(3, 100)
+    x[1, 57] = float("nan")
+    x[1, 80] = float("nan")
+    x[2, 98] = float("nan")               # in the scalar tail past the last 8-wide block
+    got = ext.argmax_rows(x)
+    assert got.tolist() == x.argmax(1).tolist()
+    assert got[1].item() == 57 and got[2].item() == 98
+    wide = torch.randn(4, 300)
+    view = wide[:, 10:210]                # rows 300 floats apart
+    assert torch.equal(ext.argmax_rows(view), view.argmax(1))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ext.argmax_rows(wide.t())
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_packed_and_dequantized_paths_agree(mode):
     """The fallback (CUDA, no AVX2) and the kernel path compute the same projection."""

@@ -77,6 +77,55 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
+// Index of each row's largest value, as torch.argmax(x, dim=1): the first one on ties, the
+// first NaN if the row has one. Greedy sampling over a 49,152-token vocabulary: torch's argmax
+// took 110 us for one row and 550 us for 8 on a 2-core Zen 3; this is one AVX2 pass for the
+// maximum and one (from L1/L2) for its first index.
+static int64_t argmax_row(const float* x, int64_t n) {
+  __m256 mx = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    mx = _mm256_max_ps(mx, v);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mx);
+  float best = lanes[0];
+  for (int l = 1; l < 8; ++l) best = std::max(best, lanes[l]);
+  bool has_nan = _mm256_movemask_ps(nan) != 0;
+  for (int64_t j = i; j < n; ++j) {
+    if (std::isnan(x[j])) has_nan = true;
+    else best = std::max(best, x[j]);
+  }
+  if (has_nan) {
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(x[j])) return j;
+  }
+  const __m256 target = _mm256_set1_ps(best);
+  for (i = 0; i + 8 <= n; i += 8) {
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ));
+    if (mask) return i + __builtin_ctz(mask);
+  }
+  for (; i < n; ++i)
+    if (x[i] == best) return i;
+  return 0;   // n == 0 is refused by the caller; -inf everywhere matches at index 0 above
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) > 0, "x: rows must not be empty");
+  const int64_t m = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({m}, x.options().dtype(at::kLong));
+  const float* src = x.data_ptr<float>();
+  int64_t* dst = out.data_ptr<int64_t>();
+  // One row is ~10 us; fork from 4 rows on.
+  parallel_chunks(m, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) dst[r] = argmax_row(src + r * x.stride(0), n);
+  });
+  return out;
+}
+
 // [M, 2I] = [gate | up] -> silu(gate) * up, [M, I]
 at::Tensor silu_mul(const at::Tensor& x) {
   check_rows(x, "x");

@@ -47,6 +47,7 @@ at::Tensor qgemm_amx(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_
                      c10::optional<at::Tensor> out, bool accumulate);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& x);
+at::Tensor argmax_rows(const at::Tensor& x);
 void rope_write_kv(at::Tensor qkv, const at::Tensor& positions, const at::Tensor& cos,
                    const at::Tensor& sin, at::Tensor kv_cache, const at::Tensor& slot_mapping,
                    int64_t num_heads, int64_t num_kv_heads);

@@ -27,6 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &llmk::amx_available, "AMX-BF16 tiles usable in this process");
   m.def("rms_norm", &llmk::rms_norm, release());
   m.def("silu_mul", &llmk::silu_mul, release());
+  m.def("argmax_rows", &llmk::argmax_rows, release(),
+        "each row's index of its largest value (torch.argmax(x, 1) semantics)");
   m.def("rope_write_kv", &llmk::rope_write_kv, release());
   m.def("paged_attention", &llmk::paged_attention, release());
   m.def("isa", &llmk::qgemm_isa, "the GEMM tiles in use: 'avx512_vnni' or 'avx2'");
