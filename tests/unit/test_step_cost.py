@@ -51,3 +51,34 @@ def test_says_nothing_before_enough_steps_and_follows_a_slowdown():
             model.observe(n, n * 100, 0.002 * n)
     slow = model.tokens_within(0, 0.05)
     assert fast == pytest.approx(50, abs=3) and slow == pytest.approx(25, abs=2)
+
+
+def test_fit_equals_weighted_least_squares_with_anchor_and_forgetting():
+    """The plain-float normal equations give numpy's weighted least-squares answer: decayed
+    live steps plus the calibration steps at their anchor weight, with the small ridge."""
+    import random
+
+    import numpy as np
+    rng = random.Random(7)
+    model = StepCostModel(decay=0.9)
+    rows, weights, ys = [], [], []
+    model.calibrating = True
+    for _ in range(6):
+        t, k, s = rng.randint(1, 64), rng.randint(0, 30000), rng.uniform(0.002, 0.2)
+        model.observe(t, k, s)
+        rows.append((1.0, t, k / 1000)), ys.append(s), weights.append(("anchor", len(rows)))
+    model.calibrating = False
+    for _ in range(40):
+        t, k, s = rng.randint(1, 64), rng.randint(0, 30000), rng.uniform(0.002, 0.2)
+        model.observe(t, k, s)
+        rows.append((1.0, t, k / 1000)), ys.append(s), weights.append(("live", len(rows)))
+    n = len(rows)
+    x, y = np.array(rows), np.array(ys)
+    # Weight of step i: decay^(steps after it); calibration steps also count at anchor weight.
+    w = np.array([0.9 ** (n - i) + (model.anchor_weight if kind == "anchor" else 0.0)
+                  for kind, i in weights])
+    xtx = (x * w[:, None]).T @ x
+    expected = np.linalg.solve(xtx + model.ridge * np.eye(3) * max(1.0, np.trace(xtx) / 3),
+                               (x * w[:, None]).T @ y)
+    expected = np.maximum(expected, 0.0)
+    assert model.coefficients() == pytest.approx(tuple(expected), rel=1e-9, abs=1e-15)

@@ -91,16 +91,24 @@ class AttentionPlan:
     token_rows: torch.Tensor                # [T] arange
     token_table_rows: torch.Tensor          # [T]
     token_lens: torch.Tensor                # [T]
+    torch_path: bool = True                 # False: the decode_* and prefills fields are unset
 
 
-def prepare_attention(meta: AttentionMetadata, block_size: int) -> AttentionPlan:
+def prepare_attention(meta: AttentionMetadata, block_size: int,
+                      torch_path: bool = True) -> AttentionPlan:
     """Everything layer-independent, built once per forward instead of once per layer.
 
     Reads query lengths to the host once (one device sync per step, not per layer).
+    `torch_path=False` builds only what the CPU kernels read (the token view): the masks and
+    gathered tables of the torch path were ~10 torch calls per step, each slow right after a
+    forward has streamed the weights through every cache (~130 us of a 5 ms batch-1 step).
     """
     starts = meta.query_start_loc.tolist()
-    seq_lens = meta.seq_lens.tolist()
     query_lens = [end - start for start, end in zip(starts, starts[1:])]
+    if not torch_path:
+        return AttentionPlan(meta.slot_mapping, None, None, None, (), meta.block_tables,
+                             *_token_view(meta, query_lens), torch_path=False)
+    seq_lens = meta.seq_lens.tolist()
     decode_rows = [b for b, qlen in enumerate(query_lens) if qlen == 1]
     prefills = tuple(_prefill_span(meta, b, starts[b], starts[b + 1], seq_lens[b], block_size)
                      for b, qlen in enumerate(query_lens) if qlen > 1)
@@ -171,6 +179,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     query [T, H, D]; key/value [T, KVH, D] are this step's tokens (reused when a prompt chunk has
     no earlier context, saving a gather). Returns [T, H, D].
     """
+    if not plan.torch_path:
+        raise ValueError("this plan was prepared for the CPU kernels only (torch_path=False)")
     out = query.new_empty(query.shape) if plan.prefills else None
     if plan.decode_block_tables is not None:
         decode_q = query if plan.decode_token_idx is None else query[plan.decode_token_idx]

@@ -174,7 +174,12 @@ class LlamaForCausalLM(nn.Module):
         if kv_caches is not None:
             if len(kv_caches) != len(self.layers):
                 raise ValueError(f"expected {len(self.layers)} KV caches, got {len(kv_caches)}")
-            plan = prepare_attention(attn_metadata, block_size=kv_caches[0].shape[2])
+            # Every layer takes the kernels' attention (LlamaAttention.forward's test) when the
+            # activations are CPU fp32 and the cache's dtype is one they read.
+            kernels = (kv_caches[0].dtype in _KERNEL_KV_DTYPES
+                       and fused_kernels(self.embed_tokens) is not None)
+            plan = prepare_attention(attn_metadata, block_size=kv_caches[0].shape[2],
+                                     torch_path=not kernels)
         x = F.embedding(input_ids, self.embed_tokens)
         if (plan is not None and self.decoder_stack is not None and x.dtype == torch.float32
                 and kv_caches[0].dtype in _KERNEL_KV_DTYPES):
