@@ -370,6 +370,22 @@ def test_decoder_stack_matches_the_python_layers(mode, isa):
     torch.testing.assert_close(torch.cat((stack_first, stack_second)),
                                torch.cat((ref_first, ref_second)), rtol=1e-6, atol=1e-6)
 
+def test_decoder_stack_refuses_a_token_outside_the_vocabulary():
+    """forward_ids looks the embedding rows up itself: an id past the table is an error that
+    names it, never a read past the table (F.embedding's IndexError on the Python path)."""
+    from workers.model.attention import AttentionMetadata, allocate_kv_caches
+    model = _tiny_quantized_model("int4")
+    caches = allocate_kv_caches(model.config, 5, 4, "cpu", torch.float32)
+    meta = AttentionMetadata(torch.tensor([4]), torch.tensor([0, 1]), torch.tensor([1]),
+                             torch.tensor([[1]]), 1, 1)
+    with torch.inference_mode():
+        assert model(torch.tensor([95]), torch.tensor([0]), caches, meta).shape == (1, 64)
+        with pytest.raises(RuntimeError, match=r"input_ids\[0\] = 96 is outside the vocabulary"):
+            model(torch.tensor([96]), torch.tensor([0]), caches, meta)
+        with pytest.raises(RuntimeError, match="outside the vocabulary"):
+            model(torch.tensor([-1]), torch.tensor([0]), caches, meta)
+
+
 @pytest.mark.parametrize("pre", [0, 1, 2])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_dense_prefill_gemm_matches_fp32_to_bf16_precision(pre, accumulate):

@@ -108,4 +108,5 @@ class ModelRunner:
 
     def _tensor(self, values: list) -> torch.Tensor:
         # Built on the host and copied once; pinned memory would only matter on CUDA.
-        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+        t = torch.tensor(values, dtype=torch.int64)
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)

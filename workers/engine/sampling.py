@@ -43,7 +43,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> tuple[list[int], list[float] | None]:
-        logits = logits.float()
+        if logits.dtype != torch.float32:
+            logits = logits.float()
         tokens = _argmax(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:

@@ -180,19 +180,24 @@ class LlamaForCausalLM(nn.Module):
                        and fused_kernels(self.embed_tokens) is not None)
             plan = prepare_attention(attn_metadata, block_size=kv_caches[0].shape[2],
                                      torch_path=not kernels)
-        x = F.embedding(input_ids, self.embed_tokens)
-        if (plan is not None and self.decoder_stack is not None and x.dtype == torch.float32
+        if (plan is not None and self.decoder_stack is not None
+                and self.embed_tokens.dtype == torch.float32
                 and kv_caches[0].dtype in _KERNEL_KV_DTYPES):
-            self.decoder_stack.forward(
-                x, positions, self.rotary.cos, self.rotary.sin, kv_caches, plan.slot_mapping,
-                plan.token_rows, plan.token_table_rows, plan.token_lens, plan.block_tables)
-            return self.norm(x)
+            # Embedding lookup, layers and final norm in one C++ call (forward_ids).
+            if input_ids.dtype != torch.int64 or not input_ids.is_contiguous():
+                input_ids = input_ids.to(torch.int64).contiguous()
+            return self.decoder_stack.forward_ids(
+                input_ids, self.embed_tokens, self.norm.weight, positions, self.rotary.cos,
+                self.rotary.sin, kv_caches, plan.slot_mapping, plan.token_rows,
+                plan.token_table_rows, plan.token_lens, plan.block_tables)
+        x = F.embedding(input_ids, self.embed_tokens)
         rope = self.rotary.lookup(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, None if kv_caches is None else kv_caches[i], plan)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens).float()
-        return self.lm_head(hidden).float()
+        logits = (F.linear(hidden, self.embed_tokens) if self.lm_head is None
+                  else self.lm_head(hidden))
+        # No .float() call when they already are (a dispatch, ~20 us right after a forward).
+        return logits if logits.dtype == torch.float32 else logits.float()
