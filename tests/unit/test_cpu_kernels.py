@@ -370,6 +370,24 @@ def test_decoder_stack_matches_the_python_layers(mode, isa):
     torch.testing.assert_close(torch.cat((stack_first, stack_second)),
                                torch.cat((ref_first, ref_second)), rtol=1e-6, atol=1e-6)
 
+def test_a_kernels_only_attention_plan_is_refused_by_the_torch_path():
+    """prepare_attention(torch_path=False) skips the torch path's masks and gathered tables;
+    handing such a plan to the torch attention is an error, not a silent empty result."""
+    from workers.model.attention import AttentionMetadata, paged_attention, prepare_attention
+    meta = AttentionMetadata(torch.tensor([4]), torch.tensor([0, 1]), torch.tensor([1]),
+                             torch.tensor([[1]]), 1, 1)
+    full, lean = prepare_attention(meta, 4), prepare_attention(meta, 4, torch_path=False)
+    assert full.decode_block_tables is not None and lean.decode_block_tables is None
+    for a, b in zip((full.token_rows, full.token_table_rows, full.token_lens),
+                    (lean.token_rows, lean.token_table_rows, lean.token_lens)):
+        assert torch.equal(a, b)
+    q, kv = torch.randn(1, 2, 16), torch.randn(1, 1, 16)
+    cache = torch.zeros(2, 2, 4, 1, 16)
+    assert paged_attention(q, kv, kv, cache, full).shape == (1, 2, 16)
+    with pytest.raises(ValueError, match="CPU kernels only"):
+        paged_attention(q, kv, kv, cache, lean)
+
+
 def test_decoder_stack_refuses_a_token_outside_the_vocabulary():
     """forward_ids looks the embedding rows up itself: an id past the table is an error that
     names it, never a read past the table (F.embedding's IndexError on the Python path)."""
