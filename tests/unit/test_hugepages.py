@@ -3,6 +3,8 @@ aligned, and backed by huge pages where the kernel offers them on request; ordin
 when turned off."""
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import pytest
@@ -50,11 +52,26 @@ def test_zeros_are_aligned_zero_and_on_huge_pages(monkeypatch):
 
 @needs_thp
 def test_turned_off_gives_an_ordinary_tensor(monkeypatch):
+    """Off: no madvise, a plain zero tensor. The page check runs in a fresh process: in this
+    one, an earlier test's advised range can lie inside glibc's heap and be handed out again
+    (the advice stays on the range after free), which gave an ordinary torch.zeros 14 MiB of
+    huge pages once in the full suite."""
     monkeypatch.setenv("LLMMESH_HUGEPAGES", "off")
     if "[always]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read():
         pytest.skip("the kernel gives every large mapping huge pages")
+    advised = []
+    monkeypatch.setattr(hugepages, "_madvise", lambda *a: advised.append(a) or True)
     t = hugepages.zeros((8, 1 << 20), torch.float32)
-    assert not t.any() and _huge_kib(t.data_ptr()) == 0
+    assert not t.any() and t.shape == (8, 1 << 20) and advised == []
+    monkeypatch.delenv("LLMMESH_HUGEPAGES")
+    hugepages.zeros((8, 1 << 20), torch.float32)
+    assert len(advised) == 1          # the spy does see the call when it is on
+    code = ("import torch; from workers.model import hugepages; "
+            "from tests.unit.test_hugepages import _huge_kib; "
+            "t = hugepages.zeros((8, 1 << 20), torch.float32); print(_huge_kib(t.data_ptr()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "LLMMESH_HUGEPAGES": "off"}, timeout=120)
+    assert out.stdout.split()[-1] == "0", out.stdout
 
 
 def test_small_tensors_stay_ordinary():
