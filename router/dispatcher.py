@@ -40,6 +40,18 @@ HELD_RECHECK_MS = 20
 REDIS_RETRY_S = 0.25
 
 
+async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
+    """event.wait() for at most timeout_s; a cancel always goes through.
+
+    Not asyncio.wait_for: on Python 3.11 a cancel that lands as the event is set is swallowed
+    (wait_for returns the result), and a loop around it then runs on for good. A test teardown
+    that cancelled run() and gathered it hung that way in make test; the race reproduces every
+    time (tests/unit/test_dispatcher_wait.py)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+
+
 @dataclass(frozen=True, slots=True)
 class DispatcherConfig:
     consumer: str
@@ -158,8 +170,7 @@ class Dispatcher:
             wait_s = 0.05
             if self._deadlines:
                 wait_s = min(wait_s, max(0.0, (self._deadlines[0][0] - time.time_ns()) / 1e9))
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._slot_freed.wait(), wait_s)
+            await wait_event(self._slot_freed, wait_s)
             self._expire_waiting()
             if room <= 0:
                 return
@@ -423,8 +434,7 @@ class Dispatcher:
                 await asyncio.sleep(HEARTBEAT_S)
             # Changes during the publish (and the pause) are coalesced into the next one.
             await asyncio.sleep(MIN_PUBLISH_S)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.drain.changed.wait(), HEARTBEAT_S)
+            await wait_event(self.drain.changed, HEARTBEAT_S)
 
     async def watch_epoch(self) -> None:
         """Notices Redis coming back without its data (llmmesh.epoch) and lets go of what it took."""
@@ -658,8 +668,7 @@ class Dispatcher:
                     f"no worker serving model {entry.model!r} had room before the deadline"
                     if served else f"no live worker serves model {entry.model!r}"))
             self._slot_freed.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._slot_freed.wait(), 0.5)
+            await wait_event(self._slot_freed, 0.5)
 
     async def watch_cancels(self) -> None:
         """Abort requests whose client went away (the gateway publishes their ids)."""
