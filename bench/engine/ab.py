@@ -120,11 +120,12 @@ def main(argv=None) -> None:
     try:
         with torch.inference_mode():
             ours.warm_up(core)
-            for r in range(args.rounds if args.per_step else 0):
-                for n in args.concurrency:
-                    for s, t in _per_step_decode(core, ext, args, n, f"s{r}-{n}").items():
-                        steps.setdefault((s, n), []).extend(t)
-            for r in range(0 if args.per_step else args.rounds):
+            for r in range(args.rounds):
+                if args.per_step:
+                    for n in args.concurrency:
+                        for s, t in _per_step_decode(core, ext, args, n, f"s{r}-{n}").items():
+                            steps.setdefault((s, n), []).extend(t)
+                    continue
                 for s in args.settings:
                     ext.set_tunable(args.knob, s)
                     for n in args.concurrency:
