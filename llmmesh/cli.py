@@ -9,6 +9,7 @@ import sys
 import grpc
 import typer
 
+from llmmesh.aio import wait_event
 from llmmesh.v1 import common_pb2, cost_pb2, cost_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -54,10 +55,7 @@ def up(workers: int = typer.Option(1, help="worker processes"),
             if dead:
                 typer.echo(f"{', '.join(dead)} exited; stopping the mesh (see {mesh.log_dir})", err=True)
                 break
-            try:
-                await asyncio.wait_for(stop.wait(), 1.0)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(stop, 1.0)
 
     try:
         asyncio.run(run())

@@ -13,6 +13,8 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 
+from llmmesh.aio import within
+
 log = logging.getLogger("llmmesh.supervisor")
 
 BACKOFF_FIRST_S = 0.1
@@ -73,7 +75,7 @@ class Supervisor:
         failed = set()
         for name, check in self.checks.items():
             try:
-                if not await asyncio.wait_for(check(), timeout=2.0):
+                if not await within(check(), 2.0):
                     failed.add(name)
             except Exception:  # noqa: BLE001 - a check that cannot answer has failed
                 failed.add(name)

@@ -19,6 +19,7 @@ from opentelemetry import trace
 from redis.exceptions import RedisError, ResponseError
 
 from llmmesh import billing, queue, streamauth, telemetry, vocab
+from llmmesh.aio import wait_event
 from llmmesh.admission import Admission, Reservation
 from llmmesh.drain import HEARTBEAT_S, MIN_PUBLISH_S, DrainMeter, WorkerSeats
 from llmmesh.epoch import RedisEpoch
@@ -38,18 +39,6 @@ log = logging.getLogger("router.dispatcher")
 HELD_RECHECK_MS = 20
 # A request whose Redis failed under it is tried again this often (Redis restarting).
 REDIS_RETRY_S = 0.25
-
-
-async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
-    """event.wait() for at most timeout_s; a cancel always goes through.
-
-    Not asyncio.wait_for: on Python 3.11 a cancel that lands as the event is set is swallowed
-    (wait_for returns the result), and a loop around it then runs on for good. A test teardown
-    that cancelled run() and gathered it hung that way in make test; the race reproduces every
-    time (tests/unit/test_dispatcher_wait.py)."""
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(timeout_s):
-            await event.wait()
 
 
 @dataclass(frozen=True, slots=True)

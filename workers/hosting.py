@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmmesh.aio import within
 from llmmesh.catalog import CatalogFile, ModelEntry
 from llmmesh.errors import DeadlineExceeded, NotFound, Unavailable
 from llmmesh.tokenizer import Tokenizer
@@ -207,8 +208,8 @@ class ModelHost:
                     raise DeadlineExceeded(f"deadline passed while model {name!r} was loading")
             try:
                 # shield: one caller's deadline must not cancel a load others wait for.
-                await asyncio.wait_for(asyncio.shield(h.ready), timeout)
-            except asyncio.TimeoutError:
+                await within(asyncio.shield(h.ready), timeout)
+            except TimeoutError:
                 raise DeadlineExceeded(
                     f"model {name!r} is still loading on this worker (cold start about "
                     f"{self.estimate_load_s(h):.1f} s); the deadline passed first") from None

@@ -9,6 +9,7 @@ from opentelemetry import trace
 from redis.exceptions import RedisError
 
 from llmmesh import queue, telemetry, vocab
+from llmmesh.aio import wait_event
 from llmmesh.errors import (Aborted, AlreadyExists, DeadlineExceeded, Internal, InvalidArgument,
                             NotFound, Unavailable)
 from llmmesh.tokenizer import IncrementalDetokenizer
@@ -105,11 +106,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                                     f"(attempt {old.number})")
             old.replaced = True
             self.engine.abort(old.engine_id)
-            try:
-                await asyncio.wait_for(old.ended.wait(), REPLACE_WAIT_S)
-            except TimeoutError:
+            if not await wait_event(old.ended, REPLACE_WAIT_S):
                 raise AlreadyExists(f"request_id {rid!r}: attempt {old.number} did not leave this "
-                                    f"worker within {REPLACE_WAIT_S:.0f} s") from None
+                                    f"worker within {REPLACE_WAIT_S:.0f} s")
         engine_id = f"{rid}#{request.attempt}" if request.attempt_key else rid
         self._attempts[rid] = attempt = _Attempt(request.attempt, engine_id)
         return attempt
