@@ -13,17 +13,16 @@ from typing import Awaitable, TypeVar
 T = TypeVar("T")
 
 
-async def wait_event(event: asyncio.Event, timeout_s: float | None) -> bool:
-    """event.wait() for at most timeout_s (None: no limit); True when the event was set."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            await event.wait()
-        return True
-    except TimeoutError:
-        return event.is_set()
-
-
 async def within(awaitable: Awaitable[T], timeout_s: float | None) -> T:
     """await awaitable for at most timeout_s (None: no limit); TimeoutError past it."""
     async with asyncio.timeout(timeout_s):
         return await awaitable
+
+
+async def wait_event(event: asyncio.Event, timeout_s: float | None) -> bool:
+    """event.wait() for at most timeout_s (None: no limit); True when the event was set."""
+    try:
+        await within(event.wait(), timeout_s)
+        return True
+    except TimeoutError:
+        return event.is_set()
