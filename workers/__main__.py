@@ -70,6 +70,14 @@ def _args() -> argparse.Namespace:
     p.add_argument("--batch-step-budget-ms", type=float,
                    default=float(env("LLMMESH_BATCH_STEP_BUDGET_MS", "30")),
                    help="plan steps holding batch work to end within this time (0: no time cap)")
+    p.add_argument("--batch-step-budget-ms-after-interactive", type=float,
+                   default=float(env("LLMMESH_BATCH_STEP_BUDGET_MS_AFTER_INTERACTIVE", "15")),
+                   help="plan steps holding only batch work within this time for "
+                        "--interactive-recent-s after interactive work was last present "
+                        "(0: --batch-step-budget-ms at all times)")
+    p.add_argument("--interactive-recent-s", type=float,
+                   default=float(env("LLMMESH_INTERACTIVE_RECENT_S", "10")),
+                   help="how long after interactive work the shorter batch-only step applies")
     p.add_argument("--batch-ms-with-interactive", type=float,
                    default=float(env("LLMMESH_BATCH_MS_WITH_INTERACTIVE", "10")),
                    help="predicted ms batch work may add to a step holding interactive work")
@@ -127,6 +135,9 @@ async def main() -> None:
                         max_num_seqs=args.max_num_seqs, num_threads=args.threads,
                         batch_tokens_with_interactive=args.batch_tokens_with_interactive,
                         batch_step_budget_ms=args.batch_step_budget_ms or None,
+                        batch_step_budget_ms_after_interactive=(
+                            args.batch_step_budget_ms_after_interactive or None),
+                        interactive_recent_s=args.interactive_recent_s,
                         batch_ms_with_interactive=args.batch_ms_with_interactive,
                         interactive_slowdown=args.interactive_slowdown,
                         batch_nice=args.batch_nice or None)

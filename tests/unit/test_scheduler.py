@@ -330,6 +330,28 @@ def test_the_first_batch_request_always_advances_even_over_budget():
     assert plan(scheduler.schedule()) == [("b0", 1), ("chat", 5)]
 
 
+def test_batch_only_steps_are_shorter_while_chat_traffic_is_recent(monkeypatch):
+    import time as time_module
+    clock = [100.0]
+    monkeypatch.setattr(time_module, "monotonic", lambda: clock[0])
+    config = EngineConfig(block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=256,
+                          max_batch_tokens_per_step=64, batch_step_budget_ms=50.0,
+                          batch_step_budget_ms_after_interactive=20.0, interactive_recent_s=10.0,
+                          interactive_slowdown=0.0)
+    scheduler = Scheduler(config, CacheInfo(1024, BLOCK, 1, 4096), frozenset({EOS}))
+    _teach(scheduler, fixed=0.010, per_token=0.002, per_kkey=0.0)
+    add(scheduler, "b0", 900, priority=B, max_tokens=20)
+    out, _ = step(scheduler, step_s=0.0)
+    assert plan(out) == [("b0", 20)]             # no chat seen yet: (50 - 10) ms at 2 ms a token
+    add(scheduler, "chat", 3, priority=I, arrival=1, first_token=30000, max_tokens=1)
+    out, _ = step(scheduler, step_s=0.0)         # the chat runs and finishes in this step
+    assert ("chat", 3) in plan(out) and not scheduler.has_interactive()
+    clock[0] += 9.0                              # 9 s later: (20 - 10) ms, 5 tokens
+    assert plan(step(scheduler, step_s=0.0)[0]) == [("b0", 5)]
+    clock[0] += 1.5                              # 10.5 s after the chat: the whole step again
+    assert plan(step(scheduler, step_s=0.0)[0]) == [("b0", 20)]
+
+
 def test_usage_reports_the_prefill_s_wall_time_beside_its_device_time(monkeypatch):
     import time as time_module
     clock = [100.0]

@@ -46,6 +46,13 @@ class EngineConfig:
     # milliseconds: what an interactive arrival waits for the step in flight, on any device.
     # None turns the time caps off (the token caps still apply).
     batch_step_budget_ms: float | None = 30.0
+    # ...but for `interactive_recent_s` after interactive work was last present (chat traffic
+    # comes in sessions), steps holding only batch work are planned within this many ms instead:
+    # a chat that arrives mid-step waits for the rest of it, and at 30 ms that wait alone was
+    # the whole of the TTFT allowance (1.3x of ~80 ms alone on a 2-core CPU). With no user seen
+    # for that long, batch takes whole steps again. None: the one budget above at all times.
+    batch_step_budget_ms_after_interactive: float | None = 15.0
+    interactive_recent_s: float = 10.0
     # While interactive work is present, the predicted time batch work may add to a step (a
     # long-context batch decode reads its whole KV cache: ~90 MB at 2,000 tokens here). The
     # first batch request of every step still advances, so batch is slowed, never starved.
@@ -98,6 +105,11 @@ class EngineConfig:
             raise ValueError("interactive_slowdown must be >= 1 (or 0: off)")
         if self.batch_step_budget_ms is not None and self.batch_step_budget_ms <= 0:
             raise ValueError("batch_step_budget_ms must be positive when set")
+        if (self.batch_step_budget_ms_after_interactive is not None
+                and self.batch_step_budget_ms_after_interactive <= 0):
+            raise ValueError("batch_step_budget_ms_after_interactive must be positive when set")
+        if self.interactive_recent_s < 0:
+            raise ValueError("interactive_recent_s must be >= 0")
         for name in ("num_gpu_blocks", "max_model_len", "num_threads"):
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -100,6 +100,11 @@ class Scheduler:
         self.max_batch_tokens_per_step = config.max_batch_tokens_per_step
         budget_ms = config.batch_step_budget_ms
         self.batch_step_budget_s = None if budget_ms is None else budget_ms / 1e3
+        after_ms = config.batch_step_budget_ms_after_interactive
+        self.batch_step_budget_after_interactive_s = None if after_ms is None or budget_ms is None \
+            else min(after_ms, budget_ms) / 1e3
+        self.interactive_recent_s = config.interactive_recent_s
+        self._interactive_seen_t = -math.inf   # monotonic time interactive work was last present
         self.batch_s_with_interactive = config.batch_ms_with_interactive / 1e3
         self.interactive_slowdown = config.interactive_slowdown or 0.0
         self.max_batch_skipped_steps = config.max_batch_skipped_steps
@@ -156,13 +161,22 @@ class Scheduler:
             if interactive:
                 seconds, slowdown = self.batch_s_with_interactive, self.interactive_slowdown
             else:
-                seconds = self.batch_step_budget_s - self.step_cost.predict(0, 0)
+                seconds = self._batch_only_budget_s() - self.step_cost.predict(0, 0)
         probe = self._mixed_streak >= _PROBE_EVERY_STEPS and self.batch_every_steps_on()
         if interactive and (self._batch_skipped + 1 < self.batch_every_steps() or probe):
             # Not this step's turn, or a probe: the interactive work runs alone (and its time
             # alone stays measured while batch rides along every step).
             tokens = 0
         return _StepBatch(self.max_num_batched_tokens, tokens, self.step_cost, seconds, slowdown)
+
+    def _batch_only_budget_s(self) -> float:
+        """What a step holding only batch work is planned to take: shorter while chat traffic
+        is recent (a chat arriving mid-step waits for the rest of it)."""
+        short = self.batch_step_budget_after_interactive_s
+        if short is not None and \
+                time.monotonic() - self._interactive_seen_t < self.interactive_recent_s:
+            return short
+        return self.batch_step_budget_s
 
     def batch_every_steps_on(self) -> bool:
         return self.interactive_slowdown > 1 and self.max_batch_skipped_steps > 0
@@ -200,6 +214,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         interactive = self.has_interactive()
+        if interactive:
+            self._interactive_seen_t = time.monotonic()
         batch = self._new_batch(interactive)
         preempted: list[Request] = []
         self._schedule_running(batch, preempted)
