@@ -322,6 +322,20 @@ def test_without_a_user_waiting_the_slowdown_does_not_apply():
     assert plan(scheduler.schedule()) == [("b0", 1), ("b1", 1), ("b2", 1)]   # 50 ms budget
 
 
+def test_a_batch_only_step_may_take_its_fixed_cost_again_when_that_is_over_the_budget():
+    # A slow model: the weights' stream alone (40 ms) is over the 30 ms budget. Batch-only steps
+    # still decode every batch request (40 ms more), not one token of one request per step.
+    scheduler = _time_capped(budget_ms=30.0, blocks=4096)
+    _long_context_decoders(scheduler, 3, 100)
+    _teach(scheduler, fixed=0.040, per_token=0.001, per_kkey=0.0)
+    assert plan(scheduler.schedule()) == [("b0", 1), ("b1", 1), ("b2", 1)]
+    scheduler = _time_capped(budget_ms=30.0, blocks=4096)   # ...but no more than that
+    add(scheduler, "b0", 900, priority=B, max_tokens=20)
+    _teach(scheduler, fixed=0.040, per_token=0.002, per_kkey=0.0)
+    (request_id, tokens), = plan(scheduler.schedule())
+    assert request_id == "b0" and 19 <= tokens <= 20      # 40 ms at 2 ms a token (as fitted)
+
+
 def test_the_first_batch_request_always_advances_even_over_budget():
     scheduler = _time_capped(with_interactive_ms=0.0, blocks=4096)
     _long_context_decoders(scheduler, 2, 2000)

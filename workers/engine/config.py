@@ -49,7 +49,7 @@ class EngineConfig:
     # ...but for `interactive_recent_s` after interactive work was last present (chat traffic
     # comes in sessions), steps holding only batch work are planned within this many ms instead:
     # a chat that arrives mid-step waits for the rest of it, and at 30 ms that wait alone was
-    # the whole of the TTFT allowance (1.3x of ~80 ms alone on a 2-core CPU). With no user seen
+    # the whole of the TTFT allowance (1.3x of ~70 ms alone on a 2-core Zen 4). With no user seen
     # for that long, batch takes whole steps again. None: the one budget above at all times.
     batch_step_budget_ms_after_interactive: float | None = 15.0
     interactive_recent_s: float = 10.0

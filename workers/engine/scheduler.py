@@ -161,7 +161,11 @@ class Scheduler:
             if interactive:
                 seconds, slowdown = self.batch_s_with_interactive, self.interactive_slowdown
             else:
-                seconds = self._batch_only_budget_s() - self.step_cost.predict(0, 0)
+                # At least the step's fixed cost again: where the fixed cost (the weights'
+                # stream) alone exceeds the budget, a batch-only step would otherwise carry one
+                # token of one request; a chat then waits at most about one more of its steps.
+                fixed = self.step_cost.predict(0, 0)
+                seconds = max(self._batch_only_budget_s() - fixed, fixed)
         probe = self._mixed_streak >= _PROBE_EVERY_STEPS and self.batch_every_steps_on()
         if interactive and (self._batch_skipped + 1 < self.batch_every_steps() or probe):
             # Not this step's turn, or a probe: the interactive work runs alone (and its time
