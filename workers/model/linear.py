@@ -135,6 +135,16 @@ class QuantizedLinear(nn.Module):
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def replace_tensors(self, tensors: dict) -> None:
+        """The same values in other storage (hugepages.arena): names, shapes and dtypes kept."""
+        if {n: (t.shape, t.dtype) for n, t in tensors.items()} != \
+                {n: (t.shape, t.dtype) for n, t in self.tensors.items()}:
+            raise ValueError("replacement tensors must match the current ones in name, shape "
+                             "and dtype")
+        self.tensors = tensors
+        if self.packed:
+            self._packed_weight, self._scales = tensors["packed"], tensors["scales"]
+
     def copy_bytes(self) -> int:
         """Bytes of the bf16 copies (resident; read only by calls of many rows)."""
         return sum(c.numel() * c.element_size() for c in (self.dense_copy, self.amx_copy)
