@@ -99,6 +99,27 @@ def test_qgemm_matches_reference(mode, rows, n, k, isa):
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("segments", [1.0, 0.0])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_the_pool_computes_every_output_block_exactly_once(segments, threads):
+    """Calls large enough to fork (300+ KB of weights), odd block counts, 2 and 3 threads: with
+    per-thread segments (and with one shared counter) each block is computed once. Accumulating
+    into zeros shows a block done twice as twice its value, and a block skipped as zeros."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    ext.set_tunable("pool_segments", segments)
+    try:
+        for nb, rows in ((37, 1), (75, 1), (129, 3), (600, 1)):
+            n, k = 8 * nb - 3, 1152
+            gen = torch.Generator().manual_seed(nb)
+            x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+            out, weight = run("int8", x, w, out=torch.zeros(rows, n))
+            torch.testing.assert_close(out.double(), reference(x, weight), rtol=1e-5, atol=1e-4)
+    finally:
+        ext.set_tunable("pool_segments", 1.0)
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_qgemm_quantization_error_is_small_against_fp32(mode, isa):
     gen = torch.Generator().manual_seed(1)

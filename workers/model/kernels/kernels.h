@@ -14,6 +14,7 @@ using ChunkFn = std::function<void(int64_t, int64_t)>;
 void parallel_chunks(int64_t n, int64_t grain, const ChunkFn& fn);
 // Sends the pool's spinning helpers to sleep: call before ATen's own parallel work.
 void park_pool_helpers();
+void set_pool_segments(bool on);
 
 bool attention_split_k();
 void set_attention_split_k(bool on);

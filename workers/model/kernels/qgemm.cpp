@@ -315,6 +315,7 @@ void set_tunable(const std::string& name, double value) {
   else if (name == "attention_split_k") set_attention_split_k(value != 0.0);
   else if (name == "attention_prompt_tiles") set_attention_prompt_tiles(value != 0.0);
   else if (name == "attention_avx512") set_attention_avx512(value != 0.0);
+  else if (name == "pool_segments") set_pool_segments(value != 0.0);
   else TORCH_CHECK(false, "unknown tunable ", name);
 }
 
