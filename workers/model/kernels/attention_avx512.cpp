@@ -47,15 +47,18 @@ inline __m512 load16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// The two loops below over an fp32 or an fp16 (uint16_t bits) cache.
-template <typename T>
+// The two loops below over an fp32 or an fp16 (uint16_t bits) cache, for G query heads that
+// share one KV head (G <= 4): keys go in blocks of four, every head's dots per block, so the
+// block's rows come from memory for the first head and from L1 for the others.
+template <typename T, int G>
 void scores_t(const float* q, const T* keys, const int64_t* offsets, int64_t n, float scale,
-              float* p, bool prefetch) {
-  const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16),
-               q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
-  auto dot = [&](const T* k) {   // 16 partial sums of q . k, folded to 8
-    const __m512 a = _mm512_fmadd_ps(q1, load16(k + 16), _mm512_mul_ps(q0, load16(k)));
-    const __m512 b = _mm512_fmadd_ps(q3, load16(k + 48), _mm512_mul_ps(q2, load16(k + 32)));
+              float* p, int64_t ps, bool prefetch) {
+  __m512 qv[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) qv[g][i] = _mm512_loadu_ps(q + 64 * g + 16 * i);
+  auto dot = [&](int g, const T* k) {   // 16 partial sums of q_g . k, folded to 8
+    const __m512 a = _mm512_fmadd_ps(qv[g][1], load16(k + 16), _mm512_mul_ps(qv[g][0], load16(k)));
+    const __m512 b = _mm512_fmadd_ps(qv[g][3], load16(k + 48), _mm512_mul_ps(qv[g][2], load16(k + 32)));
     return fold(_mm512_add_ps(a, b));
   };
   const __m128 vscale = _mm_set1_ps(scale);
@@ -64,34 +67,65 @@ void scores_t(const float* q, const T* keys, const int64_t* offsets, int64_t n, 
     if (prefetch)
       for (int u = kAhead; u < kAhead + 4; ++u)
         if (j + u < n) prefetch_row(keys + offsets[j + u], sizeof(T) * 64);
-    const __m256 s01 = _mm256_hadd_ps(dot(keys + offsets[j]), dot(keys + offsets[j + 1]));
-    const __m256 s23 = _mm256_hadd_ps(dot(keys + offsets[j + 2]), dot(keys + offsets[j + 3]));
-    const __m256 s = _mm256_hadd_ps(s01, s23);   // per 128-bit lane: keys j..j+3
-    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    _mm_storeu_ps(p + j, _mm_mul_ps(sums, vscale));
+    const T *k0 = keys + offsets[j], *k1 = keys + offsets[j + 1], *k2 = keys + offsets[j + 2],
+            *k3 = keys + offsets[j + 3];
+    for (int g = 0; g < G; ++g) {
+      const __m256 s01 = _mm256_hadd_ps(dot(g, k0), dot(g, k1));
+      const __m256 s23 = _mm256_hadd_ps(dot(g, k2), dot(g, k3));
+      const __m256 s = _mm256_hadd_ps(s01, s23);   // per 128-bit lane: keys j..j+3
+      const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+      _mm_storeu_ps(p + g * ps + j, _mm_mul_ps(sums, vscale));
+    }
   }
-  for (; j < n; ++j) p[j] = hsum(dot(keys + offsets[j])) * scale;
+  for (; j < n; ++j)
+    for (int g = 0; g < G; ++g) p[g * ps + j] = hsum(dot(g, keys + offsets[j])) * scale;
+}
+
+template <typename T, int G>
+void weighted_sum_t(const float* p, int64_t ps, const T* values, const int64_t* offsets,
+                    int64_t n, const float* inv, float* out, bool prefetch) {
+  __m512 acc[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    if (prefetch && j + kAhead < n) prefetch_row(values + offsets[j + kAhead], sizeof(T) * 64);
+    const T* v = values + offsets[j];
+    const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * ps + j]);
+      acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
+      acc[g][1] = _mm512_fmadd_ps(w, v1, acc[g][1]);
+      acc[g][2] = _mm512_fmadd_ps(w, v2, acc[g][2]);
+      acc[g][3] = _mm512_fmadd_ps(w, v3, acc[g][3]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 r = _mm512_set1_ps(inv[g]);
+    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(out + 64 * g + 16 * i, _mm512_mul_ps(acc[g][i], r));
+  }
 }
 
 template <typename T>
-void weighted_sum_t(const float* p, const T* values, const int64_t* offsets, int64_t n,
-                    float inv, float* out, bool prefetch) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(),
-         a3 = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    if (prefetch && j + kAhead < n) prefetch_row(values + offsets[j + kAhead], sizeof(T) * 64);
-    const __m512 w = _mm512_set1_ps(p[j]);
-    const T* v = values + offsets[j];
-    a0 = _mm512_fmadd_ps(w, load16(v), a0);
-    a1 = _mm512_fmadd_ps(w, load16(v + 16), a1);
-    a2 = _mm512_fmadd_ps(w, load16(v + 32), a2);
-    a3 = _mm512_fmadd_ps(w, load16(v + 48), a3);
+void scores_any(const float* q, int heads, const T* keys, const int64_t* offsets, int64_t n,
+                float scale, float* p, int64_t ps, bool prefetch) {
+  switch (heads) {
+    case 1: return scores_t<T, 1>(q, keys, offsets, n, scale, p, ps, prefetch);
+    case 2: return scores_t<T, 2>(q, keys, offsets, n, scale, p, ps, prefetch);
+    case 3: return scores_t<T, 3>(q, keys, offsets, n, scale, p, ps, prefetch);
+    default: return scores_t<T, 4>(q, keys, offsets, n, scale, p, ps, prefetch);
   }
-  const __m512 r = _mm512_set1_ps(inv);
-  _mm512_storeu_ps(out, _mm512_mul_ps(a0, r));
-  _mm512_storeu_ps(out + 16, _mm512_mul_ps(a1, r));
-  _mm512_storeu_ps(out + 32, _mm512_mul_ps(a2, r));
-  _mm512_storeu_ps(out + 48, _mm512_mul_ps(a3, r));
+}
+
+template <typename T>
+void weighted_sum_any(const float* p, int64_t ps, int heads, const T* values,
+                      const int64_t* offsets, int64_t n, const float* inv, float* out,
+                      bool prefetch) {
+  switch (heads) {
+    case 1: return weighted_sum_t<T, 1>(p, ps, values, offsets, n, inv, out, prefetch);
+    case 2: return weighted_sum_t<T, 2>(p, ps, values, offsets, n, inv, out, prefetch);
+    case 3: return weighted_sum_t<T, 3>(p, ps, values, offsets, n, inv, out, prefetch);
+    default: return weighted_sum_t<T, 4>(p, ps, values, offsets, n, inv, out, prefetch);
+  }
 }
 
 }  // namespace
@@ -105,21 +139,23 @@ bool cpu_supported() {
   return (ebx & need) == need;
 }
 
-void scores_d64(const float* q, const float* keys, const int64_t* offsets, int64_t n,
-                float scale, float* p, bool prefetch) {
-  scores_t(q, keys, offsets, n, scale, p, prefetch);
+void scores_d64(const float* q, int heads, const float* keys, const int64_t* offsets, int64_t n,
+                float scale, float* p, int64_t ps, bool prefetch) {
+  scores_any(q, heads, keys, offsets, n, scale, p, ps, prefetch);
 }
-void scores_d64(const float* q, const uint16_t* keys, const int64_t* offsets, int64_t n,
-                float scale, float* p, bool prefetch) {
-  scores_t(q, keys, offsets, n, scale, p, prefetch);
+void scores_d64(const float* q, int heads, const uint16_t* keys, const int64_t* offsets,
+                int64_t n, float scale, float* p, int64_t ps, bool prefetch) {
+  scores_any(q, heads, keys, offsets, n, scale, p, ps, prefetch);
 }
-void weighted_sum_d64(const float* p, const float* values, const int64_t* offsets, int64_t n,
-                      float inv, float* out, bool prefetch) {
-  weighted_sum_t(p, values, offsets, n, inv, out, prefetch);
+void weighted_sum_d64(const float* p, int64_t ps, int heads, const float* values,
+                      const int64_t* offsets, int64_t n, const float* inv, float* out,
+                      bool prefetch) {
+  weighted_sum_any(p, ps, heads, values, offsets, n, inv, out, prefetch);
 }
-void weighted_sum_d64(const float* p, const uint16_t* values, const int64_t* offsets, int64_t n,
-                      float inv, float* out, bool prefetch) {
-  weighted_sum_t(p, values, offsets, n, inv, out, prefetch);
+void weighted_sum_d64(const float* p, int64_t ps, int heads, const uint16_t* values,
+                      const int64_t* offsets, int64_t n, const float* inv, float* out,
+                      bool prefetch) {
+  weighted_sum_any(p, ps, heads, values, offsets, n, inv, out, prefetch);
 }
 
 }  // namespace llmk_avx512
