@@ -49,3 +49,14 @@ def test_linear_params_count_the_output_layer_for_decode_only(tied):
     per_layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 96   # q, k, v, o, gate, up, down
     assert prefill == 2 * per_layer
     assert decode - prefill == 96 * 64
+
+
+def test_the_streaming_read_is_also_measured_on_huge_pages(monkeypatch):
+    """The packed weights lie on huge pages, which stream faster than 4 KiB ones: a read bound
+    from 4 KiB pages alone could be passed by a decode cell."""
+    from workers.model import hugepages
+    asked = []
+    real = hugepages.zeros
+    monkeypatch.setattr(hugepages, "zeros", lambda shape, dtype: asked.append(shape) or real(shape, dtype))
+    roof = roofline.measure(read_mib=8, gemm=256, rows=(16,), repeats=1)
+    assert (8 * 2**20 // 4,) in asked and roof.read_gbs > 0
