@@ -230,31 +230,31 @@ static void attend_heads(const float* q, float* out, int64_t h0, int64_t h1, int
   }
 }
 
-// The two loops of head_dim-64 attention for the G (1-4) query heads of one KV group, on AVX2
-// (attention_avx512.h has the AVX-512 pair, same contracts): p[g ps + j] = scale * q_g . K[j],
-// and out_g = inv[g] * sum_j p[g ps + j] V[j], row j at base + offsets[j]. Keys go in blocks of
-// four, every head per block: no per-key horizontal sum (four keys reduce together), and a
-// block's rows come from L3/DRAM once for the group, from L1 for its other heads (one head at a
-// time, each head re-read the whole range from L2 once it outgrew L1). With `prefetch` (the
-// group's first call), rows a few keys ahead are prefetched, 4 lines per 256-byte row.
+// The two loops of one head_dim-64 head, on AVX2 (attention_avx512.h has the AVX-512 pair, which
+// takes up to four heads of a KV group per call; here `heads` is always 1 and `ps` unused):
+// p[j] = scale * q . K[j], and out = inv[0] * sum_j p[j] V[j], row j at base + offsets[j]. Eight
+// ymm hold the query (or the output): no per-key horizontal sum (four keys reduce together) and
+// no output load/store per key. With `prefetch` (the first head of a KV group, which reads the
+// rows from L3/DRAM; the group's other heads find them in L1/L2), rows a few keys ahead are
+// prefetched, 4 lines per 256-byte row.
 template <typename T>
 static void prefetch_row_d64(const T* row) {   // 64 elements: 4 lines of fp32, 2 of fp16
   for (int l = 0; l < static_cast<int>(sizeof(T)) * 64; l += 64)
     _mm_prefetch(reinterpret_cast<const char*>(row) + l, _MM_HINT_T0);
 }
 
-// AVX2 has 16 ymm: the query comes from L1 instead of registers, and the weighted sum runs over
-// the 64 outputs in slices of W ymm per head (G * W <= 16 with the row's loads). Per output the
-// arithmetic and its order are those of one head alone.
-template <typename T, int G>
-static void scores_d64_avx2(const float* q, const T* keys, const int64_t* offsets, int64_t n,
-                            float scale, float* p, int64_t ps, bool prefetch) {
-  auto dot8 = [&](const float* qg, const T* k) {   // 8 partial sums of q . k
-    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qg), vm::load8(k));
-    __m256 b = _mm256_mul_ps(_mm256_loadu_ps(qg + 8), vm::load8(k + 8));
+template <typename T>
+static void scores_d64_avx2(const float* q, int /*heads: 1*/, const T* keys,
+                            const int64_t* offsets, int64_t n, float scale, float* p,
+                            int64_t /*ps*/, bool prefetch) {
+  __m256 qv[8];
+  for (int i = 0; i < 8; ++i) qv[i] = _mm256_loadu_ps(q + 8 * i);
+  auto dot8 = [&](const T* k) {   // 8 partial sums of q . k
+    __m256 a = _mm256_mul_ps(qv[0], vm::load8(k));
+    __m256 b = _mm256_mul_ps(qv[1], vm::load8(k + 8));
     for (int i = 2; i < 8; i += 2) {
-      a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * i), vm::load8(k + 8 * i), a);
-      b = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * i + 8), vm::load8(k + 8 * i + 8), b);
+      a = _mm256_fmadd_ps(qv[i], vm::load8(k + 8 * i), a);
+      b = _mm256_fmadd_ps(qv[i + 1], vm::load8(k + 8 * i + 8), b);
     }
     return _mm256_add_ps(a, b);
   };
@@ -263,66 +263,29 @@ static void scores_d64_avx2(const float* q, const T* keys, const int64_t* offset
     if (prefetch)
       for (int u = 8; u < 12; ++u)
         if (j + u < n) prefetch_row_d64(keys + offsets[j + u]);
-    for (int g = 0; g < G; ++g) {
-      const float* qg = q + 64 * g;
-      const __m256 s01 = _mm256_hadd_ps(dot8(qg, keys + offsets[j]), dot8(qg, keys + offsets[j + 1]));
-      const __m256 s23 = _mm256_hadd_ps(dot8(qg, keys + offsets[j + 2]), dot8(qg, keys + offsets[j + 3]));
-      const __m256 s = _mm256_hadd_ps(s01, s23);   // per 128-bit lane: keys j..j+3
-      const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-      _mm_storeu_ps(p + g * ps + j, _mm_mul_ps(sums, _mm_set1_ps(scale)));
-    }
+    const __m256 s01 = _mm256_hadd_ps(dot8(keys + offsets[j]), dot8(keys + offsets[j + 1]));
+    const __m256 s23 = _mm256_hadd_ps(dot8(keys + offsets[j + 2]), dot8(keys + offsets[j + 3]));
+    const __m256 s = _mm256_hadd_ps(s01, s23);   // per 128-bit lane: keys j..j+3
+    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    _mm_storeu_ps(p + j, _mm_mul_ps(sums, _mm_set1_ps(scale)));
   }
-  for (; j < n; ++j)
-    for (int g = 0; g < G; ++g) p[g * ps + j] = vm::hsum(dot8(q + 64 * g, keys + offsets[j])) * scale;
-}
-
-template <typename T, int G, int W>
-static void weighted_sum_d64_avx2(const float* p, int64_t ps, const T* values,
-                                  const int64_t* offsets, int64_t n, const float* inv, float* out,
-                                  bool prefetch) {
-  for (int slice = 0; slice < 8; slice += W) {
-    __m256 acc[G][W];
-    for (int g = 0; g < G; ++g)
-      for (int i = 0; i < W; ++i) acc[g][i] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      if (prefetch && slice == 0 && j + 8 < n) prefetch_row_d64(values + offsets[j + 8]);
-      const T* v = values + offsets[j] + 8 * slice;
-      __m256 row[W];
-      for (int i = 0; i < W; ++i) row[i] = vm::load8(v + 8 * i);
-      for (int g = 0; g < G; ++g) {
-        const __m256 w = _mm256_set1_ps(p[g * ps + j]);
-        for (int i = 0; i < W; ++i) acc[g][i] = _mm256_fmadd_ps(w, row[i], acc[g][i]);
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      const __m256 r = _mm256_set1_ps(inv[g]);
-      for (int i = 0; i < W; ++i)
-        _mm256_storeu_ps(out + 64 * g + 8 * (slice + i), _mm256_mul_ps(acc[g][i], r));
-    }
-  }
+  for (; j < n; ++j) p[j] = vm::hsum(dot8(keys + offsets[j])) * scale;
 }
 
 template <typename T>
-static void scores_d64_any_avx2(const float* q, int heads, const T* keys, const int64_t* offsets,
-                                int64_t n, float scale, float* p, int64_t ps, bool prefetch) {
-  switch (heads) {
-    case 1: return scores_d64_avx2<T, 1>(q, keys, offsets, n, scale, p, ps, prefetch);
-    case 2: return scores_d64_avx2<T, 2>(q, keys, offsets, n, scale, p, ps, prefetch);
-    case 3: return scores_d64_avx2<T, 3>(q, keys, offsets, n, scale, p, ps, prefetch);
-    default: return scores_d64_avx2<T, 4>(q, keys, offsets, n, scale, p, ps, prefetch);
+static void weighted_sum_d64_avx2(const float* p, int64_t /*ps*/, int /*heads: 1*/,
+                                  const T* values, const int64_t* offsets, int64_t n,
+                                  const float* inv, float* out, bool prefetch) {
+  __m256 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    if (prefetch && j + 8 < n) prefetch_row_d64(values + offsets[j + 8]);
+    const __m256 w = _mm256_set1_ps(p[j]);
+    const T* v = values + offsets[j];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(w, vm::load8(v + 8 * i), acc[i]);
   }
-}
-
-template <typename T>
-static void weighted_sum_d64_any_avx2(const float* p, int64_t ps, int heads, const T* values,
-                                      const int64_t* offsets, int64_t n, const float* inv,
-                                      float* out, bool prefetch) {
-  switch (heads) {   // G * W accumulators + W row loads + one broadcast within 16 ymm
-    case 1: return weighted_sum_d64_avx2<T, 1, 8>(p, ps, values, offsets, n, inv, out, prefetch);
-    case 2: return weighted_sum_d64_avx2<T, 2, 4>(p, ps, values, offsets, n, inv, out, prefetch);
-    case 3: return weighted_sum_d64_avx2<T, 3, 2>(p, ps, values, offsets, n, inv, out, prefetch);
-    default: return weighted_sum_d64_avx2<T, 4, 2>(p, ps, values, offsets, n, inv, out, prefetch);
-  }
+  const __m256 r = _mm256_set1_ps(inv[0]);
+  for (int i = 0; i < 8; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], r));
 }
 
 // attend_heads for head_dim 64, a KV group's query heads together through the loops above
@@ -352,14 +315,18 @@ static void attend_heads_d64(const float* q, float* out, int64_t h0, int64_t h1,
   using Sum = void (*)(const float*, int64_t, int, const T*, const int64_t*, int64_t,
                        const float*, float*, bool);
   const Scores scores = g_attention_avx512 ? static_cast<Scores>(llmk_avx512::scores_d64)
-                                           : scores_d64_any_avx2<T>;
+                                           : scores_d64_avx2<T>;
   const Sum weighted_sum = g_attention_avx512 ? static_cast<Sum>(llmk_avx512::weighted_sum_d64)
-                                              : weighted_sum_d64_any_avx2<T>;
-  // The heads of one KV group together (up to four at a time): each K and V row is read from
-  // the cache once per group instead of once per head.
+                                              : weighted_sum_d64_avx2<T>;
+  // On AVX-512 the heads of one KV group together (up to four at a time): each K and V row is
+  // read from the cache once per group instead of once per head. The AVX2 loops take one head
+  // at a time: grouped (the query from L1, the weighted sum in 2-ymm slices to fit 16
+  // registers) they measured 25-35% slower on the Zen 4 with AVX-512 turned off (640 keys,
+  // cache cold: 141 -> 183-199 us a layer).
+  const int64_t most = g_attention_avx512 ? 4 : 1;
   for (int64_t h = h0; h < h1;) {
     const int64_t kv = h / group;
-    const int heads = static_cast<int>(std::min({h1, (kv + 1) * group, h + 4}) - h);
+    const int heads = static_cast<int>(std::min({h1, (kv + 1) * group, h + most}) - h);
     const bool pf = g_attention_prefetch && (h == h0 || h % group == 0);
     scores(q + h * 64, heads, keys + kv * 64, offsets.data(), seq_len, scale, p.data(), ps, pf);
     float inv[4];
