@@ -133,6 +133,7 @@ def test_a_quantized_model_streams_its_packed_weights_from_one_buffer():
     them, in one buffer (4 KiB pages cost decode @1 ~6% on a Zen 4); outputs unchanged."""
     from workers.model import ModelConfig, build_random_model
     from workers.model.kernels import cpu_kernels
+    from workers.model.linear import convert_linear
     from workers.model.quantize import _PROJECTIONS, quantize_model
     if cpu_kernels() is None:
         pytest.skip("no CPU kernels here: nothing is packed")
@@ -153,7 +154,6 @@ def test_a_quantized_model_streams_its_packed_weights_from_one_buffer():
         assert starts == sorted(starts), f"{mode}: not in the order a step reads them"
         assert all(m._packed_weight is m.tensors["packed"] for m in modules)
         # The same values as packing without the buffer (what the kernels read is unchanged).
-        from workers.model.quantize import convert_linear
         layer = reference.layers[1].mlp.down_proj
         alone = convert_linear(layer, mode, "cpu", torch.float32)
         for name, t in alone.tensors.items():

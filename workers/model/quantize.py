@@ -96,6 +96,8 @@ def _packed_weights_into_one_buffer(model: LlamaForCausalLM) -> None:
     modules = [getattr(getattr(layer, parent), name) for layer in model.layers
                for parent, name in (path.split(".") for path in _PROJECTIONS)]
     modules = [m for m in [*modules, model.lm_head] if isinstance(m, QuantizedLinear) and m.packed]
+    if not modules:   # nothing packed (no CPU kernels here): no buffer
+        return
     views = iter(hugepages.arena([t for m in modules for t in m.tensors.values()]))
     for m in modules:
         m.replace_tensors({name: next(views) for name in m.tensors})
