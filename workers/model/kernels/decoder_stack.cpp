@@ -9,8 +9,53 @@
 #include <vector>
 
 #include "kernels.h"
+#include "side_prefetch.h"
 
 namespace llmk {
+
+SideStream g_side;
+int g_side_mode = 3;
+
+void SideCursor::issue() {
+  const int hint = g_side.hint;
+  while (credit_ >= 1.0) {
+    if (left_ == 0) {
+      const int64_t i = g_side.next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= static_cast<int64_t>(g_side.ranges.size())) {   // the stream is done
+        rate_ = 0.0;
+        return;
+      }
+      p_ = g_side.ranges[i].p;
+      left_ = g_side.ranges[i].lines;
+    }
+    const int64_t n = std::min<int64_t>(left_, static_cast<int64_t>(credit_));
+    for (int64_t j = 0; j < n; ++j) {
+      const char* line = p_ + 64 * j;
+      switch (hint) {
+        case 2: _mm_prefetch(line, _MM_HINT_T1); break;
+        case 3: _mm_prefetch(line, _MM_HINT_T2); break;
+        case 4: _mm_prefetch(line, _MM_HINT_NTA); break;
+        default: _mm_prefetch(line, _MM_HINT_T0);
+      }
+    }
+    p_ += 64 * n;
+    left_ -= n;
+    issued_ += n;
+    credit_ -= static_cast<double>(n);
+  }
+}
+
+void SideCursor::finish() {
+  credit_ = static_cast<double>(left_);   // exactly the claimed range's rest: no new claim
+  issue();
+}
+
+void set_side_prefetch(int mode) {
+  TORCH_CHECK(mode >= 0 && mode <= 4, "side_prefetch: 0 (off) or 1-4 (T0, T1, T2, NTA), got ",
+              mode);
+  g_side_mode = mode;
+  g_side.hint = mode;
+}
 
 struct Projection {
   at::Tensor packed, scales;
@@ -111,6 +156,8 @@ class DecoderStack {
     };
     // Scratch outputs allocated once per call, not per layer (every layer has the same shapes).
     const int64_t t = x.size(0);
+    g_side.planned = 0;
+    g_side.issued.store(0);
     at::Tensor qkv, attn = at::empty({t, heads_ * head_dim_}, x.options()), gate_up;
     if (!layers_.empty()) {
       qkv = at::empty({t, layers_[0].qkv.n}, x.options());
@@ -119,12 +166,16 @@ class DecoderStack {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       into(x, l.qkv, kRmsNorm, l.input_norm, qkv);
+      g_side.lines_per_mac = 0.0;   // the stream set up by the last layer ends here
       lap(0);
       rope_write_kv(qkv, positions, cos, sin, kv_caches[i], slot_mapping, heads_, kv_heads_);
       lap(1);
       paged_attention(qkv, token_rows, token_table_rows, token_lens, kv_caches[i], block_tables,
                       attn, heads_, kv_heads_, scale);
       lap(2);
+      if (g_side_mode > 0 && t >= kSideMinRows && i + 1 < layers_.size())
+        side_stream_for(kv_caches[i + 1], token_table_rows, token_lens, block_tables, t, l,
+                        layers_[i + 1].qkv);
       run(attn, l.o, kNone, c10::nullopt, x);
       lap(3);
       into(x, l.gate_up, kRmsNorm, l.post_norm, gate_up);
@@ -132,10 +183,53 @@ class DecoderStack {
       run(gate_up, l.down, kSiluMul, c10::nullopt, x);
       lap(5);
     }
+    g_side.lines_per_mac = 0.0;
     return x;
   }
 
  private:
+  // The side stream (side_prefetch.h): every KV block the next layer's attention will read, K
+  // then V per sequence, spread over the multiply-adds of this layer's o, gate_up and down and
+  // the next layer's qkv.
+  void side_stream_for(const at::Tensor& cache, const at::Tensor& table_rows,
+                       const at::Tensor& lens, const at::Tensor& block_tables, int64_t t,
+                       const Layer& l, const Projection& next_qkv) {
+    const int64_t count = lens.size(0), block_size = cache.size(2);
+    const int64_t token_bytes = cache.size(3) * cache.size(4) * cache.element_size();
+    const int64_t block_bytes = block_size * token_bytes;
+    const char* keys = static_cast<const char*>(cache.data_ptr());
+    const char* values = keys + cache.numel() / 2 * cache.element_size();
+    const int64_t *rows = table_rows.data_ptr<int64_t>(), *len = lens.data_ptr<int64_t>();
+    const int64_t* tables = block_tables.data_ptr<int64_t>();
+    const int64_t stride = block_tables.stride(0);
+    // The longest length per block-table row (a prompt's rows share one).
+    std::vector<std::pair<int64_t, int64_t>> seqs;
+    for (int64_t i = 0; i < count; ++i) {
+      if (!seqs.empty() && seqs.back().first == rows[i])
+        seqs.back().second = std::max(seqs.back().second, len[i]);
+      else
+        seqs.emplace_back(rows[i], len[i]);
+    }
+    g_side.ranges.clear();
+    int64_t lines = 0;
+    for (const auto& [row, n] : seqs) {
+      const int64_t* table = tables + row * stride;
+      for (const char* base : {keys, values}) {
+        for (int64_t b = 0; b * block_size < n; ++b) {
+          const int64_t used = std::min(block_size, n - b * block_size);
+          const int64_t k = (used * token_bytes + 63) / 64;
+          g_side.ranges.push_back(SideRange{base + table[b] * block_bytes, k});
+          lines += k;
+        }
+      }
+    }
+    const double macs = static_cast<double>(t) *
+        (l.o.n * l.o.k + l.gate_up.n * l.gate_up.k + l.down.n * l.down.k + next_qkv.n * next_qkv.k);
+    g_side.planned += lines;
+    g_side.next.store(0, std::memory_order_relaxed);
+    g_side.lines_per_mac = lines > 0 ? lines / macs : 0.0;
+  }
+
   void into(const at::Tensor& input, const Projection& p, Pre pre, const at::Tensor& norm,
             const at::Tensor& out) {
     TORCH_CHECK(out.size(1) == p.n, "layers must share projection shapes");
@@ -171,6 +265,10 @@ class DecoderStack {
  public:
   void set_profiling(bool on) { profiling_ = on; std::fill(profile_, profile_ + 6, 0.0); }
   std::vector<double> profile() const { return std::vector<double>(profile_, profile_ + 6); }
+  // The last forward's side stream: (lines planned, lines prefetched).
+  std::vector<int64_t> side_prefetch_lines() const {
+    return {g_side.planned, g_side.issued.load()};
+  }
 
  private:
   bool profiling_ = false;
@@ -190,6 +288,7 @@ void register_decoder_stack(pybind11::module& m) {
       .def("set_dense_min_rows", &DecoderStack::set_dense_min_rows)
       .def("set_profiling", &DecoderStack::set_profiling)
       .def("profile", &DecoderStack::profile)
+      .def("side_prefetch_lines", &DecoderStack::side_prefetch_lines)
       .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>())
       .def("forward_ids", &DecoderStack::forward_ids, py::call_guard<py::gil_scoped_release>());
 }

@@ -15,6 +15,9 @@ void parallel_chunks(int64_t n, int64_t grain, const ChunkFn& fn);
 // Sends the pool's spinning helpers to sleep: call before ATen's own parallel work.
 void park_pool_helpers();
 void set_pool_segments(bool on);
+// The next layer's KV prefetched during this layer's projections (side_prefetch.h): 0 off,
+// 1-4 the hint (T0, T1, T2, NTA).
+void set_side_prefetch(int mode);
 
 bool attention_split_k();
 void set_attention_split_k(bool on);

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "side_prefetch.h"
 #include "qgemm_amx.h"
 #include "qgemm_vnni.h"
 #include "vec_math.h"
@@ -316,6 +317,7 @@ void set_tunable(const std::string& name, double value) {
   else if (name == "attention_prompt_tiles") set_attention_prompt_tiles(value != 0.0);
   else if (name == "attention_avx512") set_attention_avx512(value != 0.0);
   else if (name == "pool_segments") set_pool_segments(value != 0.0);
+  else if (name == "side_prefetch") set_side_prefetch(static_cast<int>(value));
   else TORCH_CHECK(false, "unknown tunable ", name);
 }
 
@@ -355,11 +357,13 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
     alignas(32) float tmp[llmk_vnni::kMaxRows * 8];
     __m256 acc[llmk_vnni::kMaxRows];
     const int64_t pf = prefetch_bytes();
+    SideCursor side;
     for (int64_t b = begin; b < end; ++b) {
       const void* w = wbase + b * tile_bytes;
       const uint16_t* smb = sm ? sm + b * a.groups * 16 : nullptr;
       for (int64_t r0 = 0; r0 < m; r0 += llmk_vnni::kMaxRows) {
         const int rows = static_cast<int>(std::min<int64_t>(llmk_vnni::kMaxRows, m - r0));
+        side.advance(static_cast<double>(rows) * 8 * k);
         llmk_vnni::tile(rows, int4, w, smb, acts, r0, tmp, pf);
         for (int r = 0; r < rows; ++r) acc[r] = _mm256_load_ps(tmp + 8 * r);
         store_tile(acc, rows, col_scale, ybase + r0 * ldo, ldo, b * 8, n, accumulate);
@@ -368,9 +372,11 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   };
   auto body_avx2 = [&](int64_t begin, int64_t end) {
     __m256 acc[kMr];
+    SideCursor side;
     for (int64_t b = begin; b < end; ++b) {
       const void* w = wbase + b * tile_bytes;
       const uint16_t* smb = sm ? sm + b * a.groups * 16 : nullptr;
+      side.advance(static_cast<double>(m) * 8 * k);
       int64_t r0 = 0;
       for (; r0 + kMr <= m; r0 += kMr) {
         run_tile<kMr>(int4, w, smb, a, r0, acc);
@@ -389,6 +395,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
     alignas(64) float tmp[llmk_vnni::kMaxRows * 16];
     __m256 acc[llmk_vnni::kMaxRows];
     const int64_t pf = prefetch_bytes();
+    SideCursor side;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = 2 * i;
       if (b + 1 >= nb) {   // an odd last block
@@ -401,7 +408,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
       const uint16_t* sm1 = sm ? sm0 + a.groups * 16 : nullptr;
       for (int64_t r0 = 0; r0 < m; r0 += llmk_vnni::kMaxRows) {
         const int rows = static_cast<int>(std::min<int64_t>(llmk_vnni::kMaxRows, m - r0));
-        llmk_vnni::pair(rows, int4, w0, w1, sm0, sm1, rows_q, r0, tmp, pf);
+        llmk_vnni::pair(rows, int4, w0, w1, sm0, sm1, rows_q, r0, tmp, pf, &side);
         for (int half = 0; half < 2; ++half) {
           for (int r = 0; r < rows; ++r) acc[r] = _mm256_load_ps(tmp + 16 * r + 8 * half);
           store_tile(acc, rows, col_scale, ybase + r0 * ldo, ldo, (b + half) * 8, n, accumulate);

@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "qgemm_vnni.h"
+#include "side_prefetch.h"
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
@@ -164,7 +165,7 @@ inline __m512i dot32(const __m512i (&w)[8], const int8_t* xp) {
 
 template <int R>
 void pair_int8(const int8_t* w0, const int8_t* w1, const llmk_vnni::Rows& a, int64_t r0,
-               float* out, int64_t pf) {
+               float* out, int64_t pf, llmk::SideCursor* side) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const int8_t* x[R];
   const float* xs[R];
@@ -177,6 +178,7 @@ void pair_int8(const int8_t* w0, const int8_t* w1, const llmk_vnni::Rows& a, int
     acc[r] = _mm512_setzero_ps();
   }
   for (int64_t g = 0; g < a.groups; ++g) {
+    if (side) side->advance(R * 16 * 32);
     if (pf) {
       prefetch_lines(w0 + g * 256 + pf, 4);
       prefetch_lines(w1 + g * 256 + pf, 4);
@@ -197,7 +199,8 @@ void pair_int8(const int8_t* w0, const int8_t* w1, const llmk_vnni::Rows& a, int
 
 template <int R>
 void pair_int4(const uint8_t* w0, const uint8_t* w1, const uint16_t* sm0, const uint16_t* sm1,
-               const llmk_vnni::Rows& a, int64_t r0, float* out, int64_t pf) {
+               const llmk_vnni::Rows& a, int64_t r0, float* out, int64_t pf,
+               llmk::SideCursor* side) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   const int8_t* x[R];
   const float *xs[R], *xsum[R];
@@ -209,6 +212,7 @@ void pair_int4(const uint8_t* w0, const uint8_t* w1, const uint16_t* sm0, const 
     acc[r] = _mm512_setzero_ps();
   }
   for (int64_t g = 0; g < a.groups; ++g) {
+    if (side) side->advance(R * 16 * 32);
     if (pf) {
       prefetch_lines(w0 + g * 128 + pf, 2);
       prefetch_lines(w1 + g * 128 + pf, 2);
@@ -237,12 +241,13 @@ void pair_int4(const uint8_t* w0, const uint8_t* w1, const uint16_t* sm0, const 
 template <int R>
 void dispatch_pair(bool int4, const void* w0, const void* w1, const uint16_t* sm0,
                    const uint16_t* sm1, const llmk_vnni::Rows& a, int64_t r0, float* out,
-                   int64_t pf) {
+                   int64_t pf, llmk::SideCursor* side) {
   if (int4)
     pair_int4<R>(static_cast<const uint8_t*>(w0), static_cast<const uint8_t*>(w1), sm0, sm1, a,
-                 r0, out, pf);
+                 r0, out, pf, side);
   else
-    pair_int8<R>(static_cast<const int8_t*>(w0), static_cast<const int8_t*>(w1), a, r0, out, pf);
+    pair_int8<R>(static_cast<const int8_t*>(w0), static_cast<const int8_t*>(w1), a, r0, out, pf,
+                 side);
 }
 
 }  // namespace
@@ -250,16 +255,17 @@ void dispatch_pair(bool int4, const void* w0, const void* w1, const uint16_t* sm
 namespace llmk_vnni {
 
 void pair(int rows, bool int4, const void* w0, const void* w1, const uint16_t* sm0,
-          const uint16_t* sm1, const Rows& a, int64_t r0, float* out, int64_t pf) {
+          const uint16_t* sm1, const Rows& a, int64_t r0, float* out, int64_t pf,
+          llmk::SideCursor* side) {
   switch (rows) {
-    case 1: dispatch_pair<1>(int4, w0, w1, sm0, sm1, a, r0, out, pf); break;
-    case 2: dispatch_pair<2>(int4, w0, w1, sm0, sm1, a, r0, out, pf); break;
-    case 3: dispatch_pair<3>(int4, w0, w1, sm0, sm1, a, r0, out, pf); break;
-    case 4: dispatch_pair<4>(int4, w0, w1, sm0, sm1, a, r0, out, pf); break;
-    case 5: dispatch_pair<5>(int4, w0, w1, sm0, sm1, a, r0, out, pf); break;
-    case 6: dispatch_pair<6>(int4, w0, w1, sm0, sm1, a, r0, out, pf); break;
-    case 7: dispatch_pair<7>(int4, w0, w1, sm0, sm1, a, r0, out, pf); break;
-    default: dispatch_pair<8>(int4, w0, w1, sm0, sm1, a, r0, out, pf); break;
+    case 1: dispatch_pair<1>(int4, w0, w1, sm0, sm1, a, r0, out, pf, side); break;
+    case 2: dispatch_pair<2>(int4, w0, w1, sm0, sm1, a, r0, out, pf, side); break;
+    case 3: dispatch_pair<3>(int4, w0, w1, sm0, sm1, a, r0, out, pf, side); break;
+    case 4: dispatch_pair<4>(int4, w0, w1, sm0, sm1, a, r0, out, pf, side); break;
+    case 5: dispatch_pair<5>(int4, w0, w1, sm0, sm1, a, r0, out, pf, side); break;
+    case 6: dispatch_pair<6>(int4, w0, w1, sm0, sm1, a, r0, out, pf, side); break;
+    case 7: dispatch_pair<7>(int4, w0, w1, sm0, sm1, a, r0, out, pf, side); break;
+    default: dispatch_pair<8>(int4, w0, w1, sm0, sm1, a, r0, out, pf, side); break;
   }
 }
 

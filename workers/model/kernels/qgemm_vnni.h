@@ -3,6 +3,10 @@
 #pragma once
 #include <cstdint>
 
+namespace llmk {
+class SideCursor;   // side_prefetch.h
+}
+
 namespace llmk_vnni {
 
 constexpr int kMaxRows = 8;   // activation rows per call of tile()
@@ -41,7 +45,9 @@ struct Rows {
 
 // out[r][16] = rows r0 .. r0 + rows - 1 (rows <= kMaxRows) against two 8-channel weight tiles
 // (w0's channels in out[r][0..7], w1's in out[r][8..15]), as tile() does for one.
+// `side` (may be null) issues its prefetches between the 32-blocks (side_prefetch.h).
 void pair(int rows, bool int4, const void* w0, const void* w1, const uint16_t* sm0,
-          const uint16_t* sm1, const Rows& a, int64_t r0, float* out, int64_t prefetch_bytes);
+          const uint16_t* sm1, const Rows& a, int64_t r0, float* out, int64_t prefetch_bytes,
+          llmk::SideCursor* side);
 
 }  // namespace llmk_vnni
