@@ -8,7 +8,7 @@ is what makes a 5-20% difference visible. Quote medians, and say which CPU.
         --concurrency 8 32 --rounds 3 --profile
 
 Knobs are the kernels' `set_tunable` names (vnni, vnni_pair_min_rows, prefetch_bytes,
-qgemm_chunks, attention_prefetch, ...).
+qgemm_chunks, attention_prefetch, pool_segments, side_prefetch, ...).
 """
 from __future__ import annotations
 
