@@ -34,6 +34,7 @@ class ModeResult:
     weight_bytes: dict[str, int] = field(default_factory=dict)
     linear_params: int = 0                 # weights a decode step multiplies by (roofline)
     prefill_params: int = 0                # ... and a prompt token
+    kv_read_per_seq: float = 0.0           # KV bytes a decode step reads per sequence (roofline)
 
 
 def build_engine(gguf_path: str, mode: str, device: str, threads: int,
@@ -171,4 +172,8 @@ def run_mode(gguf_path: str, mode: str, *, device: str, threads: int, concurrenc
         else:
             result.weight_bytes = weight_bytes(core.runner.model)
         result.linear_params, result.prefill_params = roofline.linear_params(core.runner.model)
+        # Decode steps run at contexts prompt_len + 1 .. prompt_len + new_tokens - 1.
+        result.kv_read_per_seq = roofline.kv_read_per_step(
+            core.runner.model, core.runner.kv_caches[0].element_size(),
+            prompt_len + new_tokens / 2)
     return result

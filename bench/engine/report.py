@@ -176,9 +176,10 @@ def write_report(path: Path, header: list[str], modes: list[ModeResult],
     if roof is not None:
         lines += ["", "## Roofline: each cell as a share of this machine's bound (same run)", "",
                   "Measured before the cells (bench/engine/roofline.py). Decode @N is bounded by "
-                  "max(weights streamed / read bandwidth, 2·P·N / GEMM peak), prefill by 2·P per "
-                  "token at the fastest GEMM; attention and KV reads are left out, so the bounds "
-                  "are optimistic.", ""]
+                  "max((weights streamed + N · the KV one sequence's step reads) / read "
+                  "bandwidth, 2·P·N / GEMM peak), prefill by 2·P per token at the fastest GEMM; "
+                  "attention's arithmetic and activations are left out, so the bounds are "
+                  "optimistic.", ""]
         lines += roofline.table(roof, modes, concurrency)
     lines += ["", "## Targets (issue 3)", ""] + verdicts
     notes = [f"- {p.name}: {p.note}" for p in peers if p.note]

@@ -9,12 +9,15 @@
   compute-bound — no faster int8 GEMM exists here (torch._int_mm is measured beside it);
 - fp32 and bf16 GEMM: torch's (oneDNN; bf16 runs on AMX / AVX-512 bf16 where the CPU has them).
 
-A cell's bound: decode at N sequences must stream the weights once per step and do 2·P·N
-operations (P = the projection and output-layer weights), so a step takes at least
-max(bytes / read bandwidth, 2·P·N / GEMM peak) — int8 peak for int4/int8, fp32 peak for fp32;
-prefill must do 2·P' operations per token (P': the projections; a prompt's last token alone
-goes through the output layer) at the fastest GEMM measured. Attention and the KV
-cache reads are left out, so every bound is optimistic and a cell can never pass 100%.
+A cell's bound: decode at N sequences must stream the weights once per step, read each
+sequence's cached K and V rows (every layer's, in the cache's dtype, for the run's mean
+context), and do 2·P·N operations (P = the projection and output-layer weights), so a step
+takes at least max((weights + N · KV) / read bandwidth, 2·P·N / GEMM peak) — int8 peak for
+int4/int8, fp32 peak for fp32; prefill must do 2·P' operations per token (P': the projections;
+a prompt's last token alone goes through the output layer) at the fastest GEMM measured.
+Attention's arithmetic and every activation's traffic are left out, so every bound is
+optimistic and a cell can never pass 100%. (Until 2026-12-04 the decode bound left the KV reads
+out too; the table still gives decode @1 against the weights alone.)
 """
 from __future__ import annotations
 
@@ -40,10 +43,19 @@ class Roofline:
         return 1e9 * max(self.int8_gops, self.fp32_gflops, self.bf16_gflops)
 
 
-def decode_bound_tps(roof: Roofline, mode: str, streamed_bytes: int, params: int, n: int) -> float:
-    """Tokens per second a decode step of n sequences cannot beat."""
-    step_s = max(streamed_bytes / (roof.read_gbs * 1e9), 2 * params * n / roof.gemm_peak(mode))
+def decode_bound_tps(roof: Roofline, mode: str, streamed_bytes: int, params: int, n: int,
+                     kv_bytes_per_seq: float = 0.0) -> float:
+    """Tokens per second a decode step of n sequences cannot beat (each sequence's step reads
+    kv_bytes_per_seq of cached K and V)."""
+    step_s = max((streamed_bytes + n * kv_bytes_per_seq) / (roof.read_gbs * 1e9),
+                 2 * params * n / roof.gemm_peak(mode))
     return n / step_s
+
+
+def kv_read_per_step(model, cache_element_bytes: int, mean_context: float) -> float:
+    """Bytes of K and V one sequence's decode step reads at `mean_context` tokens of context."""
+    c = model.config
+    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * cache_element_bytes * mean_context
 
 
 def prefill_bound_tps(roof: Roofline, params: int) -> float:
@@ -116,18 +128,28 @@ def table(roof: Roofline, modes, concurrency: list[int]) -> list[str]:
     head = (["mode"] + [f"decode @{n}" for n in concurrency]
             + [f"prefill @{n}" for n in concurrency])
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    alone = []
     for m in modes:
         if not m.decode_tps or not m.linear_params:
             continue
         streamed = m.weight_bytes.get("streamed_per_step", 0)
         cells = []
         for n in concurrency:
-            bound = decode_bound_tps(roof, m.mode, streamed, m.linear_params, n)
+            bound = decode_bound_tps(roof, m.mode, streamed, m.linear_params, n,
+                                     m.kv_read_per_seq)
             got = m.decode_tps.get(n)
             cells.append("—" if got is None else f"{got:,.0f} of {bound:,.0f} ({100 * got / bound:.0f}%)")
+        if m.kv_read_per_seq and m.decode_tps.get(1):
+            weights_only = decode_bound_tps(roof, m.mode, streamed, m.linear_params, 1)
+            alone.append(f"{m.mode} {100 * m.decode_tps[1] / weights_only:.0f}% of "
+                         f"{weights_only:,.0f} (KV read per step: "
+                         f"{m.kv_read_per_seq / 2**20:.1f} MiB)")
         bound = prefill_bound_tps(roof, m.prefill_params)
         for n in concurrency:
             got = m.prefill_tps.get(n)
             cells.append("—" if got is None else f"{got:,.0f} of {bound:,.0f} ({100 * got / bound:.0f}%)")
         lines.append(f"| {m.mode} | " + " | ".join(cells) + " |")
+    if alone:
+        lines += ["", "Decode @1 against the weights alone (the bound before the KV reads were "
+                      "counted): " + "; ".join(alone) + "."]
     return lines

@@ -21,6 +21,32 @@ def test_decode_is_bandwidth_bound_alone_and_compute_bound_in_a_big_batch():
     assert prefill_bound_tps(ROOF, 100e6) == pytest.approx(200e9 / 2e8)
 
 
+def test_a_decode_step_must_also_read_each_sequences_kv_cache():
+    streamed, params, kv = 100e6, 130e6, 10e6
+    # One sequence: 110 MB at 20 GB/s; four: 140 MB (7 ms > 5.2 ms of int8 arithmetic); the
+    # compute term is unchanged.
+    assert decode_bound_tps(ROOF, "int4", streamed, params, 1, kv) == pytest.approx(20e9 / 110e6)
+    assert decode_bound_tps(ROOF, "int4", streamed, params, 4, kv) == pytest.approx(4 * 20e9 / 140e6)
+    assert decode_bound_tps(ROOF, "int4", streamed, params, 64, kv) == pytest.approx(
+        decode_bound_tps(ROOF, "int4", streamed, params, 64))
+    m = ModeResult("int4", decode_tps={1: 150.0}, weight_bytes={"streamed_per_step": 100_000_000},
+                   linear_params=130_000_000, prefill_params=100_000_000, kv_read_per_seq=kv)
+    lines = roofline.table(ROOF, [m], [1])
+    assert "150 of 182 (82%)" in next(line for line in lines if line.startswith("| int4"))
+    assert any("int4 75% of 200" in line for line in lines)   # the weights alone, as before
+
+
+def test_kv_read_per_step_counts_every_layers_k_and_v():
+    from workers.model import ModelConfig, build_random_model
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
+                      num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0,
+                      rms_norm_eps=1e-5, max_position_embeddings=64, tie_word_embeddings=True,
+                      bos_token_id=None, eos_token_id=0)
+    model = build_random_model(cfg)
+    assert roofline.kv_read_per_step(model, 4, 100.5) == 3 * 2 * 2 * 8 * 4 * 100.5
+    assert roofline.kv_read_per_step(model, 2, 100.5) == 3 * 2 * 2 * 8 * 2 * 100.5
+
+
 def test_the_table_shows_each_cell_as_a_share_of_its_bound():
     m = ModeResult("int4", prefill_tps={1: 500.0}, decode_tps={1: 150.0},
                    weight_bytes={"streamed_per_step": 100_000_000}, linear_params=130_000_000,
