@@ -570,11 +570,13 @@ def _side_stream_run(model, lens: list[int], side_prefetch: int):
     positions = torch.cat([torch.arange(n) for n in lens])
     caches = allocate_kv_caches(model.config, 20, block, "cpu", torch.float32)
     ext.set_tunable("side_prefetch", side_prefetch)
+    ext.set_tunable("side_adaptive", 0)   # every eligible call streams (no probes)
     try:
         with torch.inference_mode():
             out = model(ids, positions, caches, meta)
     finally:
         ext.set_tunable("side_prefetch", 3)
+        ext.set_tunable("side_adaptive", 1)
     c = model.config
     token_bytes = c.num_kv_heads * c.head_dim * 4
     per_layer = sum(2 * -(-min(block, n - b) * token_bytes // 64)   # K and V, whole lines
@@ -604,3 +606,37 @@ def test_small_batches_get_no_side_stream():
     assert planned == issued == expected > 0
     with pytest.raises(RuntimeError, match="side_prefetch"):
         cpu_kernels().set_tunable("side_prefetch", 7)
+
+
+def _drive(controller, seconds_on: float, seconds_off: float, calls: int, rows: int = 32):
+    """`calls` calls of `rows` rows taking seconds_on with the stream, seconds_off without:
+    the decisions made."""
+    decisions = []
+    for _ in range(calls):
+        on = controller.begin(rows)
+        controller.end(rows, seconds_on if on else seconds_off)
+        decisions.append(on)
+    return decisions
+
+
+def test_the_side_stream_controller_keeps_it_only_while_it_pays():
+    """Probe pairs (one call with the stream, one without, after every 8 calls) steer the calls in
+    between: on while the stream is faster, off once it is slower, and back when it pays again."""
+    c = cpu_kernels().SideController()
+    first = _drive(c, 0.030, 0.034, 64)
+    assert c.pairs() == 7 and c.score() < 0 and c.on()   # the 8th pair ends on call 65
+    assert first.count(False) == 7       # only one call of each probe pair without it
+    slower = _drive(c, 0.036, 0.030, 64)
+    assert not c.on() and c.score() > 0
+    assert 1 <= slower[-16:].count(True) <= 2   # only probes still try it, one call a pair
+    _drive(c, 0.030, 0.036, 64)
+    assert c.on()
+
+
+def test_the_side_stream_controller_drops_a_pair_of_different_batches():
+    c = cpu_kernels().SideController()
+    for _ in range(8):
+        for rows in (32, 31):   # every pair straddles a batch change
+            on = c.begin(rows)
+            c.end(rows, 0.01 if on else 1.0)
+    assert c.pairs() == 0 and c.score() == 0.0

@@ -50,6 +50,9 @@ void SideCursor::finish() {
   issue();
 }
 
+bool g_side_adaptive = true;
+void set_side_adaptive(bool on) { g_side_adaptive = on; }
+
 void set_side_prefetch(int mode) {
   TORCH_CHECK(mode >= 0 && mode <= 4, "side_prefetch: 0 (off) or 1-4 (T0, T1, T2, NTA), got ",
               mode);
@@ -158,6 +161,12 @@ class DecoderStack {
     const int64_t t = x.size(0);
     g_side.planned = 0;
     g_side.issued.store(0);
+    // Batches of kSideMinRows+ rows prefetch the next layer's KV (side_prefetch.h), as the
+    // controller decides (always, with side_adaptive off).
+    const bool eligible = g_side_mode > 0 && t >= kSideMinRows && layers_.size() > 1;
+    const bool adaptive = eligible && g_side_adaptive;
+    const bool stream = adaptive ? side_control_.begin(t) : eligible;
+    const auto started = clock::now();
     at::Tensor qkv, attn = at::empty({t, heads_ * head_dim_}, x.options()), gate_up;
     if (!layers_.empty()) {
       qkv = at::empty({t, layers_[0].qkv.n}, x.options());
@@ -173,7 +182,7 @@ class DecoderStack {
       paged_attention(qkv, token_rows, token_table_rows, token_lens, kv_caches[i], block_tables,
                       attn, heads_, kv_heads_, scale);
       lap(2);
-      if (g_side_mode > 0 && t >= kSideMinRows && i + 1 < layers_.size())
+      if (stream && i + 1 < layers_.size())
         side_stream_for(kv_caches[i + 1], token_table_rows, token_lens, block_tables, t, l,
                         layers_[i + 1].qkv);
       run(attn, l.o, kNone, c10::nullopt, x);
@@ -184,6 +193,8 @@ class DecoderStack {
       lap(5);
     }
     g_side.lines_per_mac = 0.0;
+    if (adaptive)
+      side_control_.end(t, std::chrono::duration<double>(clock::now() - started).count());
     return x;
   }
 
@@ -269,8 +280,13 @@ class DecoderStack {
   std::vector<int64_t> side_prefetch_lines() const {
     return {g_side.planned, g_side.issued.load()};
   }
+  // The controller's state: (mean log time ratio with / without, probe pairs so far).
+  std::pair<double, int64_t> side_prefetch_score() const {
+    return {side_control_.score(), side_control_.pairs()};
+  }
 
  private:
+  SideController side_control_;
   bool profiling_ = false;
   double profile_[6] = {0, 0, 0, 0, 0, 0};
   int64_t heads_, kv_heads_, head_dim_;
@@ -280,6 +296,13 @@ class DecoderStack {
 
 void register_decoder_stack(pybind11::module& m) {
   namespace py = pybind11;
+  py::class_<SideController>(m, "SideController")
+      .def(py::init<>())
+      .def("begin", &SideController::begin)
+      .def("end", &SideController::end)
+      .def("score", &SideController::score)
+      .def("pairs", &SideController::pairs)
+      .def("on", &SideController::on);
   py::class_<DecoderStack>(m, "DecoderStack")
       .def(py::init<int64_t, int64_t, int64_t, double>())
       .def("add_layer", &DecoderStack::add_layer)
@@ -289,6 +312,7 @@ void register_decoder_stack(pybind11::module& m) {
       .def("set_profiling", &DecoderStack::set_profiling)
       .def("profile", &DecoderStack::profile)
       .def("side_prefetch_lines", &DecoderStack::side_prefetch_lines)
+      .def("side_prefetch_score", &DecoderStack::side_prefetch_score)
       .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>())
       .def("forward_ids", &DecoderStack::forward_ids, py::call_guard<py::gil_scoped_release>());
 }

@@ -18,6 +18,8 @@ void set_pool_segments(bool on);
 // The next layer's KV prefetched during this layer's projections (side_prefetch.h): 0 off,
 // 1-4 the hint (T0, T1, T2, NTA).
 void set_side_prefetch(int mode);
+// The decoder stack's probes decide when the stream runs (default); off: always (A/B, tests).
+void set_side_adaptive(bool on);
 
 bool attention_split_k();
 void set_attention_split_k(bool on);

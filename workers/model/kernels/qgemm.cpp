@@ -318,6 +318,7 @@ void set_tunable(const std::string& name, double value) {
   else if (name == "attention_avx512") set_attention_avx512(value != 0.0);
   else if (name == "pool_segments") set_pool_segments(value != 0.0);
   else if (name == "side_prefetch") set_side_prefetch(static_cast<int>(value));
+  else if (name == "side_adaptive") set_side_adaptive(value != 0.0);
   else TORCH_CHECK(false, "unknown tunable ", name);
 }
 

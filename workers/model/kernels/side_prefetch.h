@@ -14,6 +14,7 @@
 #include <xmmintrin.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -68,6 +69,64 @@ class SideCursor {
   double rate_, credit_;
   const char* p_ = nullptr;
   int64_t left_ = 0, issued_ = 0;
+};
+
+// Whether the side stream pays changes with what else shares the host's caches and memory: on
+// the same 2-core Zen 4, int4 decode @32 measured +11-16% with it, and an hour later, with the
+// host slower overall, -4 to -12%. So the decoder stack probes: every kPeriod-th eligible call
+// outside a pair starts one (that call and the next, one with the stream and one without, the
+// order alternating); the log of their time ratio feeds an exponential average, and between
+// probes the stream runs while that average says it is faster. A pair whose row counts differ
+// is dropped (a different batch is no comparison).
+class SideController {
+ public:
+  static constexpr int64_t kPeriod = 8;
+  static constexpr double kAlpha = 0.25;
+
+  // Whether this call runs with the stream.
+  bool begin(int64_t rows) {
+    if (phase_ == kFirstDone) {
+      phase_ = kSecond;
+      current_ = !first_on_;
+    } else if (++calls_ % kPeriod == 0) {
+      phase_ = kFirst;
+      first_on_ = next_first_on_;
+      next_first_on_ = !next_first_on_;
+      current_ = first_on_;
+    } else {
+      phase_ = kNone;
+      current_ = score_ <= 0.0;
+    }
+    rows_ = rows;
+    return current_;
+  }
+
+  void end(int64_t rows, double seconds) {
+    if (phase_ == kFirst) {
+      first_seconds_ = seconds;
+      first_rows_ = rows;
+      phase_ = kFirstDone;
+    } else if (phase_ == kSecond) {
+      if (rows == first_rows_ && seconds > 0.0 && first_seconds_ > 0.0) {
+        const double on = first_on_ ? first_seconds_ : seconds;
+        const double off = first_on_ ? seconds : first_seconds_;
+        score_ = (1.0 - kAlpha) * score_ + kAlpha * std::log(on / off);
+        ++pairs_;
+      }
+      phase_ = kNone;
+    }
+  }
+
+  double score() const { return score_; }   // mean log(time with / time without); < 0: pays
+  int64_t pairs() const { return pairs_; }
+  bool on() const { return score_ <= 0.0; }
+
+ private:
+  enum Phase { kNone, kFirst, kFirstDone, kSecond };
+  Phase phase_ = kNone;
+  int64_t calls_ = 0, rows_ = 0, first_rows_ = 0, pairs_ = 0;
+  bool first_on_ = true, next_first_on_ = true, current_ = true;
+  double first_seconds_ = 0.0, score_ = 0.0;
 };
 
 }  // namespace llmk
