@@ -62,13 +62,20 @@ _DENSE_MIN_ROWS_AMX = 16
 @functools.lru_cache(maxsize=1)
 def dense_prefill_min_rows() -> int:
     """0 when every call keeps the packed tiles. LLMMESH_DENSE_PREFILL=auto (default: on where
-    the CPU has AMX-bf16 or AVX-512 bf16, where oneDNN's bf16 GEMM is several times faster
-    than our tiles; on an AVX2-only CPU bf16 is slower than fp32), on or off;
-    LLMMESH_DENSE_PREFILL_MIN_ROWS sets the threshold."""
+    the CPU has AMX-bf16, whose bf16 tiles are several times faster than our int8 ones), on or
+    off; LLMMESH_DENSE_PREFILL_MIN_ROWS sets the threshold.
+
+    Not on AVX-512 bf16 alone: on a 2-core Zen 4 (AVX-512 bf16 and VNNI, no AMX) oneDNN's bf16
+    GEMM ran 436 GFLOP/s against 566 GOP/s for our VNNI pair tiles, and prompts through the
+    tiles instead of the bf16 copies measured int4 prefill @32 1,236 -> 1,836 tok/s, int8
+    1,327 -> 1,875, int4 @1 1,195 -> 1,909 (medians of 3, same process kind, 2026-12-04);
+    perplexity (2,048 tokens) int4 14.483 -> 14.536, int8 14.470 -> 14.519, both within their
+    bounds (tests/model/test_quantization.py scores both paths). On an AVX2-only CPU bf16 is
+    slower than fp32."""
     setting = os.environ.get("LLMMESH_DENSE_PREFILL", "auto").lower()
     if setting in ("0", "off", "false") or cpu_kernels() is None:
         return 0
-    if setting == "auto" and not ({"amx_bf16", "avx512_bf16"} & _cpu_flags()):
+    if setting == "auto" and "amx_bf16" not in _cpu_flags():
         return 0
     default = _DENSE_MIN_ROWS_AMX if uses_amx() else _DENSE_MIN_ROWS
     return max(1, int(os.environ.get("LLMMESH_DENSE_PREFILL_MIN_ROWS", default)))
