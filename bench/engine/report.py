@@ -175,7 +175,8 @@ def write_report(path: Path, header: list[str], modes: list[ModeResult],
     lines += quality_table(modes)
     if roof is not None:
         lines += ["", "## Roofline: each cell as a share of this machine's bound (same run)", "",
-                  "Measured before the cells (bench/engine/roofline.py). Decode @N is bounded by "
+                  "Measured before and after our cells, the better of the two kept "
+                  "(bench/engine/roofline.py). Decode @N is bounded by "
                   "max((weights streamed + N · the KV one sequence's step reads) / read "
                   "bandwidth, 2·P·N / GEMM peak), prefill by 2·P per token at the fastest GEMM; "
                   "attention's arithmetic and activations are left out, so the bounds are "

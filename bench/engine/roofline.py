@@ -1,5 +1,7 @@
 """A roofline of this machine, measured in the same run as the engine cells it bounds.
 
+Every rate below is measured before our cells and again after them; the better of the two is kept.
+
 - streaming read: GB/s of a float32 sum over a buffer far larger than the caches, the better of
   one on 4 KiB pages and one on 2 MiB huge pages (where Linux offers them): the packed weights
   lie on huge pages, and on a 2-core Zen 4 a batch-1 weight stream read up to ~25% faster
@@ -22,7 +24,7 @@ out too; the table still gives decode @1 against the weights alone.)
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 
@@ -41,6 +43,11 @@ class Roofline:
 
     def best_gemm(self) -> float:
         return 1e9 * max(self.int8_gops, self.fp32_gflops, self.bf16_gflops)
+
+
+def best_of(a: Roofline, b: Roofline) -> Roofline:
+    """Each rate at the better of two measurements (before and after the cells)."""
+    return Roofline(*(max(x, y) for x, y in zip(astuple(a), astuple(b))))
 
 
 def decode_bound_tps(roof: Roofline, mode: str, streamed_bytes: int, params: int, n: int,

@@ -86,3 +86,9 @@ def test_the_streaming_read_is_also_measured_on_huge_pages(monkeypatch):
     monkeypatch.setattr(hugepages, "zeros", lambda shape, dtype: asked.append(shape) or real(shape, dtype))
     roof = roofline.measure(read_mib=8, gemm=256, rows=(16,), repeats=1)
     assert (8 * 2**20 // 4,) in asked and roof.read_gbs > 0
+
+
+def test_best_of_keeps_each_rate_at_its_better_measurement():
+    later = Roofline(read_gbs=25.0, int8_gops=150.0, fp32_gflops=110.0, bf16_gflops=40.0,
+                     int_mm_gops=1.0)
+    assert roofline.best_of(ROOF, later) == Roofline(25.0, 200.0, 110.0, 50.0, 2.0)
