@@ -83,8 +83,8 @@ class SideController {
   static constexpr int64_t kPeriod = 8;
   static constexpr double kAlpha = 0.25;
 
-  // Whether this call runs with the stream.
-  bool begin(int64_t rows) {
+  // Whether this call (of `rows` rows; end() compares a pair's) runs with the stream.
+  bool begin(int64_t /*rows*/) {
     if (phase_ == kFirstDone) {
       phase_ = kSecond;
       current_ = !first_on_;
@@ -97,7 +97,6 @@ class SideController {
       phase_ = kNone;
       current_ = score_ <= 0.0;
     }
-    rows_ = rows;
     return current_;
   }
 
@@ -124,7 +123,7 @@ class SideController {
  private:
   enum Phase { kNone, kFirst, kFirstDone, kSecond };
   Phase phase_ = kNone;
-  int64_t calls_ = 0, rows_ = 0, first_rows_ = 0, pairs_ = 0;
+  int64_t calls_ = 0, first_rows_ = 0, pairs_ = 0;
   bool first_on_ = true, next_first_on_ = true, current_ = true;
   double first_seconds_ = 0.0, score_ = 0.0;
 };
