@@ -650,7 +650,7 @@ def test_the_side_stream_controller_drops_a_pair_of_different_batches():
 ])
 def test_dense_prefill_by_default_only_where_the_cpu_has_amx(flags, setting, dense, monkeypatch):
     """Prompts take the bf16 copies only on AMX CPUs by default: with AVX-512 bf16 alone the
-    VNNI tiles measured 30-60% faster for prefill (kernels.dense_prefill_min_rows)."""
+    VNNI tiles measured 40-60% faster for prefill (kernels.dense_prefill_min_rows)."""
     from workers.model import kernels
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(kernels, "uses_amx", lambda: False)
