@@ -174,6 +174,6 @@ def run_mode(gguf_path: str, mode: str, *, device: str, threads: int, concurrenc
         result.linear_params, result.prefill_params = roofline.linear_params(core.runner.model)
         # Decode steps run at contexts prompt_len + 1 .. prompt_len + new_tokens - 1.
         result.kv_read_per_seq = roofline.kv_read_per_step(
-            core.runner.model, core.runner.kv_caches[0].element_size(),
+            core.runner.model, core.runner.kv_caches[0].dtype,
             prompt_len + new_tokens / 2)
     return result

@@ -59,10 +59,10 @@ def decode_bound_tps(roof: Roofline, mode: str, streamed_bytes: int, params: int
     return n / step_s
 
 
-def kv_read_per_step(model, cache_element_bytes: int, mean_context: float) -> float:
+def kv_read_per_step(model, cache_dtype: torch.dtype, mean_context: float) -> float:
     """Bytes of K and V one sequence's decode step reads at `mean_context` tokens of context."""
-    c = model.config
-    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * cache_element_bytes * mean_context
+    from workers.model.attention import kv_cache_bytes_per_block
+    return kv_cache_bytes_per_block(model.config, 1, cache_dtype) * mean_context
 
 
 def prefill_bound_tps(roof: Roofline, params: int) -> float:

@@ -3,6 +3,7 @@ measurement that runs."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from bench.engine import roofline
 from bench.engine.ours import ModeResult
@@ -43,8 +44,8 @@ def test_kv_read_per_step_counts_every_layers_k_and_v():
                       rms_norm_eps=1e-5, max_position_embeddings=64, tie_word_embeddings=True,
                       bos_token_id=None, eos_token_id=0)
     model = build_random_model(cfg)
-    assert roofline.kv_read_per_step(model, 4, 100.5) == 3 * 2 * 2 * 8 * 4 * 100.5
-    assert roofline.kv_read_per_step(model, 2, 100.5) == 3 * 2 * 2 * 8 * 2 * 100.5
+    assert roofline.kv_read_per_step(model, torch.float32, 100.5) == 3 * 2 * 2 * 8 * 4 * 100.5
+    assert roofline.kv_read_per_step(model, torch.float16, 100.5) == 3 * 2 * 2 * 8 * 2 * 100.5
 
 
 def test_the_table_shows_each_cell_as_a_share_of_its_bound():

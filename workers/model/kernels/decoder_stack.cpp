@@ -14,7 +14,6 @@
 namespace llmk {
 
 SideStream g_side;
-int g_side_mode = 3;
 
 void SideCursor::issue() {
   const int hint = g_side.hint;
@@ -56,7 +55,6 @@ void set_side_adaptive(bool on) { g_side_adaptive = on; }
 void set_side_prefetch(int mode) {
   TORCH_CHECK(mode >= 0 && mode <= 4, "side_prefetch: 0 (off) or 1-4 (T0, T1, T2, NTA), got ",
               mode);
-  g_side_mode = mode;
   g_side.hint = mode;
 }
 
@@ -163,7 +161,7 @@ class DecoderStack {
     g_side.issued.store(0);
     // Batches of kSideMinRows+ rows prefetch the next layer's KV (side_prefetch.h), as the
     // controller decides (always, with side_adaptive off).
-    const bool eligible = g_side_mode > 0 && t >= kSideMinRows && layers_.size() > 1;
+    const bool eligible = g_side.hint > 0 && t >= kSideMinRows && layers_.size() > 1;
     const bool adaptive = eligible && g_side_adaptive;
     const bool stream = adaptive ? side_control_.begin(t) : eligible;
     const auto started = clock::now();
@@ -280,10 +278,6 @@ class DecoderStack {
   std::vector<int64_t> side_prefetch_lines() const {
     return {g_side.planned, g_side.issued.load()};
   }
-  // The controller's state: (mean log time ratio with / without, probe pairs so far).
-  std::pair<double, int64_t> side_prefetch_score() const {
-    return {side_control_.score(), side_control_.pairs()};
-  }
 
  private:
   SideController side_control_;
@@ -312,7 +306,6 @@ void register_decoder_stack(pybind11::module& m) {
       .def("set_profiling", &DecoderStack::set_profiling)
       .def("profile", &DecoderStack::profile)
       .def("side_prefetch_lines", &DecoderStack::side_prefetch_lines)
-      .def("side_prefetch_score", &DecoderStack::side_prefetch_score)
       .def("forward", &DecoderStack::forward, py::call_guard<py::gil_scoped_release>())
       .def("forward_ids", &DecoderStack::forward_ids, py::call_guard<py::gil_scoped_release>());
 }

@@ -29,16 +29,15 @@ struct SideStream {
   std::vector<SideRange> ranges;
   std::atomic<int64_t> next{0};   // the next range to claim
   double lines_per_mac = 0.0;     // 0: no stream
-  int hint = 3;                   // 1 = T0, 2 = T1, 3 = T2, 4 = NTA
+  int hint = 3;                   // 0 = off, 1 = T0, 2 = T1, 3 = T2, 4 = NTA
   // Lines put in streams and lines prefetched from them, since the last reset (tests).
   int64_t planned = 0;
   std::atomic<int64_t> issued{0};
 };
 
-// The one stream (the engine has one caller); set only between parallel runs.
+// The one stream (the engine has one caller); set only between parallel runs. Its hint is
+// set_tunable("side_prefetch", ...): 0 turns the stream off.
 extern SideStream g_side;
-// 0 turns the stream off; 1-4 pick the prefetch hint (set_tunable("side_prefetch", ...)).
-extern int g_side_mode;
 // Batches of fewer rows get no stream: their projections stream weights from DRAM themselves
 // (per-step A/B, int4, 2-core Zen 4: @1 and @2 unchanged, @4 +5%, @8 +12%, @32 +16%).
 constexpr int64_t kSideMinRows = 4;
@@ -87,17 +86,16 @@ class SideController {
   bool begin(int64_t /*rows*/) {
     if (phase_ == kFirstDone) {
       phase_ = kSecond;
-      current_ = !first_on_;
-    } else if (++calls_ % kPeriod == 0) {
+      return !first_on_;
+    }
+    if (++calls_ % kPeriod == 0) {
       phase_ = kFirst;
       first_on_ = next_first_on_;
       next_first_on_ = !next_first_on_;
-      current_ = first_on_;
-    } else {
-      phase_ = kNone;
-      current_ = score_ <= 0.0;
+      return first_on_;
     }
-    return current_;
+    phase_ = kNone;
+    return on();
   }
 
   void end(int64_t rows, double seconds) {
@@ -124,7 +122,7 @@ class SideController {
   enum Phase { kNone, kFirst, kFirstDone, kSecond };
   Phase phase_ = kNone;
   int64_t calls_ = 0, first_rows_ = 0, pairs_ = 0;
-  bool first_on_ = true, next_first_on_ = true, current_ = true;
+  bool first_on_ = true, next_first_on_ = true;
   double first_seconds_ = 0.0, score_ = 0.0;
 };
 
