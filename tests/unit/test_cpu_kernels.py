@@ -99,6 +99,24 @@ def test_qgemm_matches_reference(mode, rows, n, k, isa):
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
 
 
+def test_pair_min_rows_is_zero_where_the_pair_tiles_never_run():
+    """`pair_min_rows()` answers from how many rows the VNNI pair tiles run: with the VNNI tiles
+    off (as on a CPU without them) or forced to the pattern tiles, never (0); it answered 4,
+    the rows a VNNI CPU starts them from, wherever they could not run."""
+    default, rows = ext.vnni_mode(), ext.pair_min_rows()
+    try:
+        ext.set_tunable("vnni", 0.0)
+        assert ext.pair_min_rows() == 0
+        if _VNNI:
+            ext.set_tunable("vnni", 2.0)
+            assert ext.pair_min_rows() == 0
+            ext.set_tunable("vnni", 1.0)
+            assert ext.pair_min_rows() > 0
+    finally:
+        ext.set_tunable("vnni", float(default))
+    assert ext.pair_min_rows() == rows
+
+
 @pytest.mark.parametrize("segments", [1.0, 0.0])
 @pytest.mark.parametrize("threads", [2, 3])
 def test_the_pool_computes_every_output_block_exactly_once(segments, threads):
