@@ -18,6 +18,12 @@ SEEDS = Path(__file__).with_name("corpus")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# pytest-timeout (pyproject: 600 s) would end `make fuzz`'s 600 s run at its last second: the
+# run gets the subprocess's own bound (SECONDS + 120) and a minute beside it.
+RUN_TIMEOUT_S = SECONDS + 180
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_atheris_finds_no_uncaught_exception_in_decode_and_validation(tmp_path):
     corpus = tmp_path / "corpus"
     shutil.copytree(SEEDS, corpus)
@@ -35,3 +41,11 @@ def test_atheris_finds_no_uncaught_exception_in_decode_and_validation(tmp_path):
           f"crashes: {crashes or 'none'}")
     assert proc.returncode == 0 and not crashes, log[-4000:]
     assert done and int(done.group(1)) > 1000, "the fuzzer hardly ran"
+
+
+def test_pytest_timeout_leaves_the_atheris_run_its_whole_time():
+    """`make fuzz` runs atheris for 600 s, which pyproject's 600 s pytest timeout cut off (the
+    run failed as "Timeout (>600.0s)" without a finding): its own mark must outlast the run."""
+    marks = [m for m in test_atheris_finds_no_uncaught_exception_in_decode_and_validation.pytestmark
+             if m.name == "timeout"]
+    assert marks and marks[0].args[0] > SECONDS + 120
