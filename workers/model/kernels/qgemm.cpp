@@ -297,8 +297,8 @@ namespace llmk {
 
 std::string qgemm_isa() { return g_vnni ? "avx512_vnni" : "avx2"; }
 int64_t qgemm_vnni_mode() { return g_vnni; }
-// 0 wherever the pair tiles never run (no VNNI, or its tiles turned off): not the 4 that only
-// a VNNI CPU uses.
+// 0 wherever the pair tiles never run (no VNNI, VNNI turned off, or every call forced to the
+// pattern tiles): not the 4 rows a VNNI CPU starts them from.
 int64_t qgemm_pair_min_rows() { return g_vnni == 1 ? g_pair_min_rows : 0; }
 bool qgemm_patterns_pay() { return kPatternsPay; }
 
