@@ -631,7 +631,7 @@ def _drive(controller, seconds_on: float, seconds_off: float, calls: int, rows: 
     the decisions made."""
     decisions = []
     for _ in range(calls):
-        on = controller.begin(rows)
+        on = controller.begin()
         controller.end(rows, seconds_on if on else seconds_off)
         decisions.append(on)
     return decisions
@@ -655,7 +655,7 @@ def test_the_side_stream_controller_drops_a_pair_of_different_batches():
     c = cpu_kernels().SideController()
     for _ in range(8):
         for rows in (32, 31):   # every pair straddles a batch change
-            on = c.begin(rows)
+            on = c.begin()
             c.end(rows, 0.01 if on else 1.0)
     assert c.pairs() == 0 and c.score() == 0.0
 

@@ -163,7 +163,7 @@ class DecoderStack {
     // controller decides (always, with side_adaptive off).
     const bool eligible = g_side.hint > 0 && t >= kSideMinRows && layers_.size() > 1;
     const bool adaptive = eligible && g_side_adaptive;
-    const bool stream = adaptive ? side_control_.begin(t) : eligible;
+    const bool stream = adaptive ? side_control_.begin() : eligible;
     const auto started = clock::now();
     at::Tensor qkv, attn = at::empty({t, heads_ * head_dim_}, x.options()), gate_up;
     if (!layers_.empty()) {

@@ -82,8 +82,8 @@ class SideController {
   static constexpr int64_t kPeriod = 8;
   static constexpr double kAlpha = 0.25;
 
-  // Whether this call (of `rows` rows; end() compares a pair's) runs with the stream.
-  bool begin(int64_t /*rows*/) {
+  // Whether this call runs with the stream (end() gets its rows, to compare a pair's).
+  bool begin() {
     if (phase_ == kFirstDone) {
       phase_ = kSecond;
       return !first_on_;
