@@ -37,12 +37,16 @@ def up(workers: int = typer.Option(1, help="worker processes"),
         if not _port_free(address):
             typer.echo(f"{address} is in use; pass --{name} HOST:PORT", err=True)
             raise typer.Exit(2)
-    mesh = Mesh(var_dir=os.path.abspath(var_dir), redis_url=os.environ.get("REDIS_URL"))
+    # die_with_parent: should this process be killed outright, its services and Redis stop too.
+    mesh = Mesh(var_dir=os.path.abspath(var_dir), redis_url=os.environ.get("REDIS_URL"),
+                die_with_parent=True)
     stop = asyncio.Event()
+    parent = os.getppid()
 
     async def run():
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP: the terminal closed (a dropped ssh session) - stop as for Ctrl-C.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, stop.set)
         typer.echo("starting the mesh (the worker loads the model; logs in "
                    f"{mesh.log_dir}) ...")
@@ -54,6 +58,11 @@ def up(workers: int = typer.Option(1, help="worker processes"),
             dead = [p.name for p in mesh.procs.values() if not p.alive()]
             if dead:
                 typer.echo(f"{', '.join(dead)} exited; stopping the mesh (see {mesh.log_dir})", err=True)
+                break
+            if os.getppid() != parent:
+                # What started us died without passing its signal on (`timeout 60 make up`
+                # ends make, not us): nobody is left to press Ctrl-C.
+                typer.echo("the process that started llmmesh up exited; stopping the mesh", err=True)
                 break
             await wait_event(stop, 1.0)
 

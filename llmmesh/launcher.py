@@ -48,6 +48,21 @@ def redacted(url: str | None) -> str:
     return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent_pid: int):
+    """For Popen's preexec_fn: the child gets SIGTERM when `parent_pid` dies (Linux prctl)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent_pid:   # it died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+    return preexec
+
+
 _SERVER_ROLES = {"router": Role.ROUTER, "worker": Role.WORKER, "costd": Role.COSTD}
 
 
@@ -81,6 +96,11 @@ class Mesh:
     tls_dir: str = ""
     # Where the private Redis's per-role passwords live (start_redis); "" for a given REDIS_URL.
     redis_credentials: str = ""
+    # Every process started here gets SIGTERM when the process that started it dies, even by
+    # SIGKILL (`llmmesh up` sets it). Linux's parent-death signal fires when the *thread* that
+    # forked exits, so set it only where every start comes from a thread that lives as long as
+    # the mesh (the CLI starts all from its main thread; tests may start from pool threads).
+    die_with_parent: bool = False
 
     def __post_init__(self):
         # Absolute: services run from the repository root, and redis-server from its `dir`.
@@ -117,7 +137,8 @@ class Mesh:
     def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
         return subprocess.Popen(argv, cwd=REPO_ROOT, env={**self.env, **(env or {})},
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=_die_with(os.getpid()) if self.die_with_parent else None)
 
     def start_redis(self, port: int | None = None) -> str:
         """A private redis-server that needs a password (kept in a 0600 config file, never on a
