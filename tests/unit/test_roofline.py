@@ -37,6 +37,28 @@ def test_a_decode_step_must_also_read_each_sequences_kv_cache():
     assert any("int4 75% of 200" in line for line in lines)   # the weights alone, as before
 
 
+def test_the_int8_bound_is_the_machines_fastest_int8_gemm_not_ours_alone():
+    """On VNNI and AMX CPUs oneDNN's int8 GEMM (torch._int_mm) outruns our kernels; the bound
+    then takes it, and the table also shows decode against our own peak (the former bound)."""
+    streamed, params = 100e6, 130e6
+    faster = Roofline(read_gbs=20.0, int8_gops=200.0, fp32_gflops=100.0, bf16_gflops=50.0,
+                      int_mm_gops=300.0)
+    assert decode_bound_tps(faster, "int8", streamed, params, 64) == pytest.approx(300e9 / (2 * 130e6))
+    assert decode_bound_tps(faster, "fp32", streamed, params, 64) == pytest.approx(100e9 / (2 * 130e6))
+    assert prefill_bound_tps(faster, 100e6) == pytest.approx(300e9 / 2e8)
+    m = ModeResult("int4", decode_tps={1: 150.0, 64: 700.0},
+                   weight_bytes={"streamed_per_step": 100_000_000}, linear_params=130_000_000,
+                   prefill_params=100_000_000)
+    lines = roofline.table(faster, [m], [1, 64])
+    assert "int8 GEMM: 300 GOP/s" in lines[0] and "ours (best at 128/512 rows: 200)" in lines[0]
+    assert "700 of 1,154 (61%)" in next(line for line in lines if line.startswith("| int4"))
+    # @64 against ours alone: 200e9 / 2.6e8 = 769 tok/s; @1 is bandwidth-bound either way.
+    assert any("int4 @64 91% of 769" in line and "@1 " not in line for line in lines)
+    # Where ours is the faster, the bound and the table are as before.
+    assert decode_bound_tps(ROOF, "int8", streamed, params, 64) == pytest.approx(200e9 / (2 * 130e6))
+    assert not any("own int8 peak" in line for line in roofline.table(ROOF, [m], [1, 64]))
+
+
 def test_kv_read_per_step_counts_every_layers_k_and_v():
     from workers.model import ModelConfig, build_random_model
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3,
