@@ -117,6 +117,29 @@ def test_pair_min_rows_is_zero_where_the_pair_tiles_never_run():
     assert ext.pair_min_rows() == rows
 
 
+@pytest.mark.skipif(not _VNNI, reason="CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_the_pair_tiles_prefetch_lead_changes_no_output(mode):
+    """The pair tiles prefetch the next pair of weight tiles (past the weight's end for the
+    last pair, and an odd last block runs apart): outputs are bitwise those of the old fixed
+    lead, at one row block and at several, forked or not."""
+    default = ext.vnni_mode()
+    ext.set_tunable("vnni", 1.0)
+    try:
+        for rows, n, k in ((32, 3 * 8 * 7, 576), (5, 8 * 9, 1536), (17, 8 * 130, 64)):
+            gen = torch.Generator().manual_seed(rows + n + k)
+            x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+            ext.set_tunable("pair_next", 0.0)
+            before, weight = run(mode, x, w)
+            ext.set_tunable("pair_next", 1.0)
+            after, _ = run(mode, x, w)
+            assert torch.equal(before, after), (rows, n, k)
+            torch.testing.assert_close(after.double(), reference(x, weight), rtol=1e-5, atol=1e-4)
+    finally:
+        ext.set_tunable("pair_next", 1.0)
+        ext.set_tunable("vnni", float(default))
+
+
 @pytest.mark.parametrize("segments", [1.0, 0.0])
 @pytest.mark.parametrize("threads", [2, 3])
 def test_the_pool_computes_every_output_block_exactly_once(segments, threads):
