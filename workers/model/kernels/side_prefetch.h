@@ -56,6 +56,8 @@ class SideCursor {
   }
   SideCursor(const SideCursor&) = delete;
   SideCursor& operator=(const SideCursor&) = delete;
+  // Whether advance() can still issue anything (kernels without a stream skip it entirely).
+  bool active() const { return rate_ != 0.0; }
   inline void advance(double macs) {
     if (rate_ == 0.0) return;
     credit_ += macs * rate_;
