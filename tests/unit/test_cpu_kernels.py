@@ -391,6 +391,39 @@ def test_fused_attention_batch_one_split_over_keys(context, split_k, attention_i
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_the_attention_prefetch_distance_changes_no_output(attention_isa):
+    """How many keys ahead decode attention prefetches (24 by default; 1 and more than the
+    context for A/B) moves no result; out-of-range distances are refused."""
+    from workers.model.attention import (AttentionMetadata, fused_paged_attention,
+                                         prepare_attention)
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, block, blocks, lens = 9, 3, 64, 16, 40, [300, 17, 90, 5]
+    cache = torch.randn(2, blocks, block, kv_heads, dim, generator=gen)
+    tables, start = [], 0
+    for n in lens:
+        tables.append(list(range(start, start + -(-n // block))))
+        start += len(tables[-1])
+    width = max(map(len, tables))
+    meta = AttentionMetadata(torch.tensor([t[(n - 1) // block] * block + (n - 1) % block
+                                           for t, n in zip(tables, lens)]),
+                             torch.arange(len(lens) + 1), torch.tensor(lens),
+                             torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+                             max_seq_len=max(lens), max_query_len=1)
+    plan = prepare_attention(meta, block)
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * dim, generator=gen)
+    outs = []
+    try:
+        for ahead in (24.0, 1.0, 256.0):
+            ext.set_tunable("attention_ahead", ahead)
+            outs.append(fused_paged_attention(ext, qkv, cache, plan, heads, kv_heads))
+        for bad in (0.0, 257.0):
+            with pytest.raises(RuntimeError, match="attention_ahead"):
+                ext.set_tunable("attention_ahead", bad)
+    finally:
+        ext.set_tunable("attention_ahead", 24.0)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
 def _tiny_quantized_model(mode: str):
     from workers.model import ModelConfig, build_random_model
     from workers.model.quantize import quantize_model

@@ -4,7 +4,8 @@
 // layers took 16.7 ms here against 18.9 on AVX2: ~8 GB/s per thread either way. What bounds it
 // is neither instructions nor bytes (a bf16 cache, half the bytes, left it at 17.4 vs 17.7 ms;
 // an fp16 one on a 2-core Zen 4, 16.5-19.9 vs 17.9-19.9 ms;
-// prefetching 8, 24 or 48 keys ahead measured the same): a thread's outstanding misses. On the
+// prefetching 8, 24 or 48 keys ahead measured the same there; a Zen 5 gains from 24, kAhead
+// below): a thread's outstanding misses. On the
 // Zen 4 one thread reads the cache at 21 GB/s from L3 and 7.3 GB/s from DRAM, two at 43 and 14
 // (a plain sum streams 24 GB/s). Neither the block order (random or in sequence), a layout with
 // each KV head's tokens contiguous (emulated: 96 sequences x 1 KV head), prefetching V during
@@ -25,8 +26,12 @@
 
 namespace {
 
-// Keys ahead that the first head of a KV group prefetches (8, 24 and 48 measured the same).
-constexpr int kAhead = 8;
+// Keys ahead that the first head of a KV group prefetches. On the Zen 4, 8, 24 and 48 measured
+// the same; on a 2-core Zen 5 (per-step A/B against 8, 128-token prompts, 128 new tokens) 24
+// gave int4 decode @8 +6.5%, @32 +7.0% (@1 +1%), int8 +7.1%, +1.3%; 48 the same as 24. At 8
+// keys a thread had at most ~32 lines in flight, ~20 GB/s at DRAM latency: the attention read
+// its KV at ~36 GB/s of a 53 GB/s stream. set_tunable("attention_ahead", keys) for A/B.
+int kAhead = 24;
 
 inline __m256 fold(__m512 v) {   // 16 lanes -> 8 partial sums
   return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
@@ -131,6 +136,7 @@ void weighted_sum_any(const float* p, int64_t ps, int heads, const T* values,
 }  // namespace
 
 namespace llmk_avx512 {
+void set_prefetch_keys(int keys) { kAhead = keys; }
 
 bool cpu_supported() {
   unsigned eax, ebx, ecx, edx;

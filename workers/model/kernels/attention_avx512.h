@@ -7,6 +7,8 @@ namespace llmk_avx512 {
 
 // True when this CPU has avx512f/bw/dq/vl (cpuid, not compiler flags).
 bool cpu_supported();
+// How many keys ahead the loops below prefetch (A/B).
+void set_prefetch_keys(int keys);
 
 // For `heads` (1-4) query heads sharing one KV head, q_g = q + 64 g:
 // p[g * ps + j] = scale * q_g . K[j] for j < n, K[j] at keys + offsets[j] (64 floats each);

@@ -23,6 +23,7 @@
 #include "side_prefetch.h"
 #include "qgemm_amx.h"
 #include "qgemm_vnni.h"
+#include "attention_avx512.h"
 #include "vec_math.h"
 
 namespace {
@@ -331,6 +332,10 @@ void set_tunable(const std::string& name, double value) {
   else if (name == "pool_segments") set_pool_segments(value != 0.0);
   else if (name == "side_prefetch") set_side_prefetch(static_cast<int>(value));
   else if (name == "side_adaptive") set_side_adaptive(value != 0.0);
+  else if (name == "attention_ahead") {
+    TORCH_CHECK(value >= 1.0 && value <= 256.0, "attention_ahead: 1-256 keys, got ", value);
+    llmk_avx512::set_prefetch_keys(static_cast<int>(value));
+  }
   else if (name == "pair_next") {
     g_pair_next = value != 0.0;
     llmk_vnni::set_pair_next(g_pair_next);
