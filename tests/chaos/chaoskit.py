@@ -199,19 +199,26 @@ def generate(gateway: str, tenant: str, client_id: str, prompt: str, max_tokens:
     return out
 
 
+# A prompt the model answers at length, so a request runs until max_tokens: "Name a color"
+# is answered in 2-3 tokens, and on a fast CPU such requests end before a scenario can act
+# while they run (on a 2-core Zen 5 chaos Q1/Q2 never saw 3 of them running at once, and F7's
+# faulty worker finished its share before the forward pass that raises).
+LONG = "Write a long story about the color number {i}."
+
+
 def send(mesh, n: int, tag: str, *, max_tokens: int = 6, concurrency: int = 8,
          timeout_s: float = 120, gateways: list[str] | None = None,
-         interval_s: float = 0.0) -> list[Outcome]:
+         interval_s: float = 0.0, prompt: str = "Name a color ({i}).") -> list[Outcome]:
     """n requests from two tenants, `concurrency` at a time, spread over the gateways (default:
     every gateway of the mesh); with `interval_s`, request i starts no earlier than i times it
-    after the first (an open loop while concurrency allows)."""
+    after the first (an open loop while concurrency allows). `prompt` is formatted with i."""
     gateways = gateways or gateway_addresses(mesh)
     start = time.monotonic()
 
     def one(i: int) -> Outcome:
         time.sleep(max(0.0, start + i * interval_s - time.monotonic()))
         return generate(gateways[i % len(gateways)], TENANTS[i % 2], f"{tag}-{i}",
-                        f"Name a color ({i}).", max_tokens, timeout_s)
+                        prompt.format(i=i), max_tokens, timeout_s)
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, range(n)))
 

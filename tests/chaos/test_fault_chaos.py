@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from llmmesh import queue
-from tests.chaos.chaoskit import SCALE, chaos_mesh, generate, health, report, send
+from tests.chaos.chaoskit import LONG, SCALE, chaos_mesh, generate, health, report, send
 from tests.e2e.meshkit import wait_until, worker_load
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -124,13 +124,13 @@ def test_f7_a_worker_whose_forward_raises_is_failed_over_and_not_serving(mesh):
         started = time.monotonic()
         try:
             # More at once than worker0 seats (8 sequences and a quarter): worker1 gets some.
-            first = send(mesh, n, "f7", max_tokens=24, concurrency=24, timeout_s=120)
+            first = send(mesh, n, "f7", max_tokens=24, concurrency=24, timeout_s=120, prompt=LONG)
         finally:
             done.set()
             watcher.join(5)
         assert not_serving_at, "worker1's health never said NOT_SERVING"
         # New requests after the fault: all go to worker0 (or fail fast, typed).
-        after = send(mesh, n, "f7-b", max_tokens=24, concurrency=16, timeout_s=120)
+        after = send(mesh, n, "f7-b", max_tokens=24, concurrency=16, timeout_s=120, prompt=LONG)
         worst_first = max(o.max_gap_s for o in first)
         worst_after = max(o.max_gap_s for o in after)
         print(f"\n  F7: worker1 NOT_SERVING {not_serving_at[0] - started:.2f} s into the load; "
@@ -157,7 +157,7 @@ def test_q1_redis_sigkilled_mid_load_and_restarted_on_its_aof(mesh):
         # An open loop of 10 requests a second: some run at the kill, some arrive during the
         # outage, the rest after the restart.
         sending = pool.submit(send, mesh, n, "q1", max_tokens=48, concurrency=n,
-                              timeout_s=deadline_s, interval_s=0.1)
+                              timeout_s=deadline_s, interval_s=0.1, prompt=LONG)
         wait_until(lambda: _running(mesh, "worker0") >= 3, 120, interval_s=0.02,
                    what="requests in flight")
         mesh.stop_one("redis", signal.SIGKILL)
@@ -190,7 +190,7 @@ def test_q2_redis_restarted_empty_in_flight_requests_are_told_unavailable(mesh):
     gateway = mesh.procs["gateway"].address
     with ThreadPoolExecutor(1) as pool:
         sending = pool.submit(send, mesh, n, "q2", max_tokens=48, concurrency=n,
-                              timeout_s=deadline_s, interval_s=0.1)
+                              timeout_s=deadline_s, interval_s=0.1, prompt=LONG)
         wait_until(lambda: _running(mesh, "worker0") >= 3, 120, interval_s=0.02,
                    what="requests in flight")
         mesh.restart_redis()                    # SIGKILL, append-only file removed, same port
