@@ -29,7 +29,7 @@ import pytest
 import redis
 
 from llmmesh import queue, streamauth
-from tests.chaos.chaoskit import (SCALE, STEP_DELAY_ENV, TINY, chaos_mesh, client_stalls,
+from tests.chaos.chaoskit import (LONG, SCALE, STEP_DELAY_ENV, TINY, chaos_mesh, client_stalls,
                                   gc_pauses, report, send, tiny_catalog)
 from tests.e2e.meshkit import wait_until, worker_load
 
@@ -189,7 +189,7 @@ def test_f6_a_worker_sigstopped_opens_its_circuit_and_closes_it_after_sigcont(me
     with ThreadPoolExecutor(2) as pool:
         # A burst that fills both workers, then an open loop (4 a second) over the stop.
         burst = pool.submit(send, mesh, 16, "f6", max_tokens=96, concurrency=16,
-                            timeout_s=deadline_s)
+                            timeout_s=deadline_s, prompt=LONG)
         wait_until(lambda: _running(mesh, "worker1") >= 3, 60, interval_s=0.01,
                    what="worker1 to run requests")
         os.kill(pid, signal.SIGSTOP)
