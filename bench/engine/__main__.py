@@ -151,13 +151,15 @@ def main(argv: list[str] | None = None) -> None:
     # Measured again after our cells: a host's rates drift within a run, and a bound taken in
     # a slow moment could be passed (a prefill cell once reached 103% of it).
     print("[bench-engine] roofline again ...", flush=True)
-    roof = roofline.best_of(roof, roofline.measure())
+    measured = (roof, roofline.measure())
+    roof = roofline.best_of(*measured)
     print("[bench-engine] peers ...", flush=True)
     peer_results = [] if args.skip_peers else _run_peers(args, gguf)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_report(out, _header(args, argv, started, env), mode_results, peer_results,
-                 args.concurrency, verdicts(mode_results, peer_results, args.concurrency), roof)
+                 args.concurrency, verdicts(mode_results, peer_results, args.concurrency), roof,
+                 measured)
     print(out.read_text())
 
 

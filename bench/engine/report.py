@@ -155,7 +155,8 @@ def _builds(llama: PeerResult | None, concurrency: list[int]) -> list[str]:
 
 def write_report(path: Path, header: list[str], modes: list[ModeResult],
                  peers: list[PeerResult], concurrency: list[int], verdicts: list[str],
-                 roof: roofline.Roofline | None = None) -> None:
+                 roof: roofline.Roofline | None = None,
+                 measured: tuple[roofline.Roofline, ...] = ()) -> None:
     by_name = {p.name: p for p in peers}
     lines = header + ["", "## Throughput (tok/s, higher is better)", ""]
     lines += throughput_table(modes, peers, concurrency)
@@ -181,7 +182,7 @@ def write_report(path: Path, header: list[str], modes: list[ModeResult],
                   "bandwidth, 2·P·N / GEMM peak), prefill by 2·P per token at the fastest GEMM; "
                   "attention's arithmetic and activations are left out, so the bounds are "
                   "optimistic.", ""]
-        lines += roofline.table(roof, modes, concurrency)
+        lines += roofline.table(roof, modes, concurrency, measured)
     lines += ["", "## Targets (issue 3)", ""] + verdicts
     notes = [f"- {p.name}: {p.note}" for p in peers if p.note]
     if notes:

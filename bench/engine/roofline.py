@@ -136,12 +136,20 @@ def linear_params(model) -> tuple[int, int]:
     return params, params - model.lm_head.out_features * model.lm_head.in_features
 
 
-def table(roof: Roofline, modes, concurrency: list[int]) -> list[str]:
-    """The measured peaks, then every cell of ours as a share of its bound."""
+def table(roof: Roofline, modes, concurrency: list[int],
+          measured: tuple[Roofline, ...] = ()) -> list[str]:
+    """The measured peaks (with each measurement where there were several: a shared host's
+    rates move within a run), then every cell of ours as a share of its bound."""
     lines = [f"- streaming read: {roof.read_gbs:.1f} GB/s; int8 GEMM: {roof.int8_peak_gops():.0f} GOP/s, "
              f"the faster of ours (best at 128/512 rows: {roof.int8_gops:.0f}) and torch._int_mm "
              f"({roof.int_mm_gops:.0f}); fp32 GEMM: {roof.fp32_gflops:.0f} GFLOP/s; bf16 GEMM: "
              f"{roof.bf16_gflops:.1f} GFLOP/s", ""]
+    if len(measured) > 1:
+        lines[-1:-1] = [
+            "- each measurement (before our cells, after them): streaming read "
+            + " / ".join(f"{m.read_gbs:.1f}" for m in measured) + " GB/s; int8 GEMM ours "
+            + " / ".join(f"{m.int8_gops:.0f}" for m in measured) + ", torch._int_mm "
+            + " / ".join(f"{m.int_mm_gops:.0f}" for m in measured) + " GOP/s"]
     # Our kernels' own peak, the int8 bound of reports before 2026-12-04 (see the docstring).
     ours_only = Roofline(roof.read_gbs, roof.int8_gops, roof.fp32_gflops, roof.bf16_gflops, 0.0)
     against_ours = []
