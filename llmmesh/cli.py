@@ -42,11 +42,18 @@ def up(workers: int = typer.Option(1, help="worker processes"),
                 die_with_parent=True)
     stop = asyncio.Event()
     parent = os.getppid()
+    # Under make (`make up`, which sets MAKELEVEL) the mesh lives as long as make: `timeout 60
+    # make up` signals make alone, and make exits without passing it on. Started otherwise,
+    # a parent that exits is no reason to stop (`nohup llmmesh up &`, then closing the shell).
+    watch_parent = "MAKELEVEL" in os.environ
+    # SIGHUP (the terminal closed) stops it as Ctrl-C does, unless it was ignored (nohup).
+    signals = [signal.SIGINT, signal.SIGTERM]
+    if signal.getsignal(signal.SIGHUP) != signal.SIG_IGN:
+        signals.append(signal.SIGHUP)
 
     async def run():
         loop = asyncio.get_running_loop()
-        # SIGHUP: the terminal closed (a dropped ssh session) - stop as for Ctrl-C.
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in signals:
             loop.add_signal_handler(sig, stop.set)
         typer.echo("starting the mesh (the worker loads the model; logs in "
                    f"{mesh.log_dir}) ...")
@@ -59,10 +66,8 @@ def up(workers: int = typer.Option(1, help="worker processes"),
             if dead:
                 typer.echo(f"{', '.join(dead)} exited; stopping the mesh (see {mesh.log_dir})", err=True)
                 break
-            if os.getppid() != parent:
-                # What started us died without passing its signal on (`timeout 60 make up`
-                # ends make, not us): nobody is left to press Ctrl-C.
-                typer.echo("the process that started llmmesh up exited; stopping the mesh", err=True)
+            if watch_parent and os.getppid() != parent:
+                typer.echo("make, which started llmmesh up, exited; stopping the mesh", err=True)
                 break
             await wait_event(stop, 1.0)
 

@@ -1,8 +1,10 @@
-"""`llmmesh up` and the processes it starts do not outlive whoever started them.
+"""`llmmesh up` and the processes it starts do not outlive what they belong to.
 
-`timeout 60 make up` signals make, not `llmmesh up`; a closed terminal sends SIGHUP; and
-`llmmesh up` itself may be killed with SIGKILL, when it can run no clean-up at all. In each
-case the services and the private Redis must stop rather than hold their ports and the ledger."""
+`timeout 60 make up` signals make, not `llmmesh up`, so under make `llmmesh up` stops the mesh
+when make is gone; and `llmmesh up` itself may be killed with SIGKILL, when it can run no
+clean-up at all: then its services and private Redis get SIGTERM from the kernel rather than
+hold their ports and the ledger. Started outside make (`nohup llmmesh up &`), the mesh is meant
+to outlive the shell, and does."""
 from __future__ import annotations
 
 import os
@@ -100,34 +102,69 @@ def test_the_private_redis_stops_when_its_launcher_is_killed_outright(tmp_path, 
             _kill_all([redis_pid])
 
 
-@pytest.mark.model
-def test_llmmesh_up_stops_the_mesh_when_what_started_it_dies(tmp_path):
-    """`bash -c 'llmmesh up; ...'` stands for make: killing it leaves `llmmesh up` orphaned
-    and unsignalled, as `timeout 60 make up` does."""
+def _start_up(tmp_path, under_make: bool) -> tuple[subprocess.Popen, Path]:
+    """`llmmesh up` on free ports, under a real make (as `make up`) or under bash (as a shell
+    script that backgrounds it): returns the parent and the log."""
     log = tmp_path / "up.log"
-    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "MAKELEVEL", "MAKEFLAGS")}
     env["PYTHONUNBUFFERED"] = "1"
     up = (f"{sys.executable} -m llmmesh.cli up --var-dir {tmp_path / 'var'} "
           f"--gateway 127.0.0.1:{free_port()} --costd 127.0.0.1:{free_port()} "
           f"--http 127.0.0.1:{free_port()}")
+    if under_make:
+        makefile = tmp_path / "Makefile"
+        makefile.write_text(f"up:\n\t{up}\n")
+        argv = ["make", "-s", "-f", str(makefile), "up"]
+    else:
+        argv = ["bash", "-c", f"{up}; echo done"]   # bash waits: `llmmesh up` is its child
     with open(log, "w") as out:
-        shell = subprocess.Popen(["bash", "-c", f"{up}; echo done"], cwd=REPO_ROOT, env=env,
-                                 stdout=out, stderr=subprocess.STDOUT)
+        parent = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while "llmmesh is up" not in log.read_text():
+        assert parent.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.5)
+    return parent, log
+
+
+@pytest.mark.model
+def test_llmmesh_up_stops_the_mesh_when_make_dies(tmp_path):
+    """`timeout 60 make up` ends make alone; `llmmesh up`, orphaned and unsignalled, stops the
+    mesh itself. Here make is SIGKILLed."""
+    make, log = _start_up(tmp_path, under_make=True)
     mesh_pids: list[int] = []
     try:
-        deadline = time.monotonic() + 240
-        while "llmmesh is up" not in log.read_text():
-            assert shell.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.5)
-        mesh_pids = _descendants(shell.pid)
+        mesh_pids = _descendants(make.pid)
         # llmmesh up, redis-server, costd, a worker, the router and the gateway (at least).
         assert len(mesh_pids) >= 6, mesh_pids
-        shell.send_signal(signal.SIGKILL)
-        shell.wait(10)
+        make.send_signal(signal.SIGKILL)
+        make.wait(10)
         left = _wait_gone(mesh_pids, 60)
         assert left == [], f"still running: {left}\n{log.read_text()}"
-        assert "the process that started llmmesh up exited; stopping the mesh" in log.read_text()
+        assert "make, which started llmmesh up, exited; stopping the mesh" in log.read_text()
+        assert "stopped." in log.read_text()
+    finally:
+        make.kill()
+        make.wait()
+        _kill_all(mesh_pids)
+
+
+@pytest.mark.model
+def test_llmmesh_up_started_outside_make_outlives_its_parent(tmp_path):
+    """Started by a script that then exits (`nohup llmmesh up &`), the mesh keeps running; it
+    stops on SIGTERM as before."""
+    shell, log = _start_up(tmp_path, under_make=False)
+    mesh_pids: list[int] = []
+    try:
+        mesh_pids = _descendants(shell.pid)
+        assert len(mesh_pids) >= 6, mesh_pids
+        up_pid = mesh_pids[0]   # bash's only child
+        shell.send_signal(signal.SIGKILL)
+        shell.wait(10)
+        time.sleep(3)   # three turns of its watch loop
+        assert _alive(up_pid) and all(_alive(p) for p in mesh_pids), log.read_text()
+        os.kill(up_pid, signal.SIGTERM)
+        assert _wait_gone(mesh_pids, 60) == [], log.read_text()
         assert "stopped." in log.read_text()
     finally:
         shell.kill()
