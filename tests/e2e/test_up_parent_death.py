@@ -102,7 +102,7 @@ def test_the_private_redis_stops_when_its_launcher_is_killed_outright(tmp_path, 
             _kill_all([redis_pid])
 
 
-def _start_up(tmp_path, under_make: bool) -> tuple[subprocess.Popen, Path]:
+def _start_up(tmp_path, under_make: bool, nohup: bool = False) -> tuple[subprocess.Popen, Path]:
     """`llmmesh up` on free ports, under a real make (as `make up`) or under bash (as a shell
     script that backgrounds it): returns the parent and the log."""
     log = tmp_path / "up.log"
@@ -116,7 +116,8 @@ def _start_up(tmp_path, under_make: bool) -> tuple[subprocess.Popen, Path]:
         makefile.write_text(f"up:\n\t{up}\n")
         argv = ["make", "-s", "-f", str(makefile), "up"]
     else:
-        argv = ["bash", "-c", f"{up}; echo done"]   # bash waits: `llmmesh up` is its child
+        # bash waits: `llmmesh up` is its child (nohup execs it, SIGHUP ignored)
+        argv = ["bash", "-c", f"{'nohup ' if nohup else ''}{up}; echo done"]
     with open(log, "w") as out:
         parent = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 240
@@ -150,10 +151,26 @@ def test_llmmesh_up_stops_the_mesh_when_make_dies(tmp_path):
 
 
 @pytest.mark.model
-def test_llmmesh_up_started_outside_make_outlives_its_parent(tmp_path):
-    """Started by a script that then exits (`nohup llmmesh up &`), the mesh keeps running; it
-    stops on SIGTERM as before."""
+def test_llmmesh_up_stops_on_sighup_unless_nohup_ignored_it(tmp_path):
+    """A closed terminal (SIGHUP) stops the mesh cleanly, as Ctrl-C does."""
     shell, log = _start_up(tmp_path, under_make=False)
+    mesh_pids: list[int] = []
+    try:
+        mesh_pids = _descendants(shell.pid)
+        os.kill(mesh_pids[0], signal.SIGHUP)   # llmmesh up: bash's only child
+        assert _wait_gone(mesh_pids, 60) == [], log.read_text()
+        assert "stopped." in log.read_text()
+    finally:
+        shell.kill()
+        shell.wait()
+        _kill_all(mesh_pids)
+
+
+@pytest.mark.model
+def test_llmmesh_up_started_outside_make_outlives_its_parent(tmp_path):
+    """Started with nohup by a script that then exits (`nohup llmmesh up &`), the mesh keeps
+    running, through SIGHUP too; it stops on SIGTERM as before."""
+    shell, log = _start_up(tmp_path, under_make=False, nohup=True)
     mesh_pids: list[int] = []
     try:
         mesh_pids = _descendants(shell.pid)
@@ -161,6 +178,7 @@ def test_llmmesh_up_started_outside_make_outlives_its_parent(tmp_path):
         up_pid = mesh_pids[0]   # bash's only child
         shell.send_signal(signal.SIGKILL)
         shell.wait(10)
+        os.kill(up_pid, signal.SIGHUP)
         time.sleep(3)   # three turns of its watch loop
         assert _alive(up_pid) and all(_alive(p) for p in mesh_pids), log.read_text()
         os.kill(up_pid, signal.SIGTERM)
