@@ -7,6 +7,7 @@ hold their ports and the ledger. Started outside make (`nohup llmmesh up &`), th
 to outlive the shell, and does."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -102,9 +103,11 @@ def test_the_private_redis_stops_when_its_launcher_is_killed_outright(tmp_path, 
             _kill_all([redis_pid])
 
 
-def _start_up(tmp_path, under_make: bool, nohup: bool = False) -> tuple[subprocess.Popen, Path]:
+@contextlib.contextmanager
+def _mesh_up(tmp_path, under_make: bool, nohup: bool = False):
     """`llmmesh up` on free ports, under a real make (as `make up`) or under bash (as a shell
-    script that backgrounds it): returns the parent and the log."""
+    script that backgrounds it): yields the parent, the log and the mesh's processes (llmmesh up
+    first), and ends whatever of them is left."""
     log = tmp_path / "up.log"
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "MAKELEVEL", "MAKEFLAGS")}
     env["PYTHONUNBUFFERED"] = "1"
@@ -120,22 +123,26 @@ def _start_up(tmp_path, under_make: bool, nohup: bool = False) -> tuple[subproce
         argv = ["bash", "-c", f"{'nohup ' if nohup else ''}{up}; echo done"]
     with open(log, "w") as out:
         parent = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 240
-    while "llmmesh is up" not in log.read_text():
-        assert parent.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.5)
-    return parent, log
+    mesh_pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while "llmmesh is up" not in log.read_text():
+            assert parent.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        mesh_pids = _descendants(parent.pid)
+        yield parent, log, mesh_pids
+    finally:
+        parent.kill()
+        parent.wait()
+        _kill_all(mesh_pids)
 
 
 @pytest.mark.model
 def test_llmmesh_up_stops_the_mesh_when_make_dies(tmp_path):
     """`timeout 60 make up` ends make alone; `llmmesh up`, orphaned and unsignalled, stops the
     mesh itself. Here make is SIGKILLed."""
-    make, log = _start_up(tmp_path, under_make=True)
-    mesh_pids: list[int] = []
-    try:
-        mesh_pids = _descendants(make.pid)
+    with _mesh_up(tmp_path, under_make=True) as (make, log, mesh_pids):
         # llmmesh up, redis-server, costd, a worker, the router and the gateway (at least).
         assert len(mesh_pids) >= 6, mesh_pids
         make.send_signal(signal.SIGKILL)
@@ -144,36 +151,22 @@ def test_llmmesh_up_stops_the_mesh_when_make_dies(tmp_path):
         assert left == [], f"still running: {left}\n{log.read_text()}"
         assert "make, which started llmmesh up, exited; stopping the mesh" in log.read_text()
         assert "stopped." in log.read_text()
-    finally:
-        make.kill()
-        make.wait()
-        _kill_all(mesh_pids)
 
 
 @pytest.mark.model
 def test_llmmesh_up_stops_on_sighup_unless_nohup_ignored_it(tmp_path):
     """A closed terminal (SIGHUP) stops the mesh cleanly, as Ctrl-C does."""
-    shell, log = _start_up(tmp_path, under_make=False)
-    mesh_pids: list[int] = []
-    try:
-        mesh_pids = _descendants(shell.pid)
+    with _mesh_up(tmp_path, under_make=False) as (_, log, mesh_pids):
         os.kill(mesh_pids[0], signal.SIGHUP)   # llmmesh up: bash's only child
         assert _wait_gone(mesh_pids, 60) == [], log.read_text()
         assert "stopped." in log.read_text()
-    finally:
-        shell.kill()
-        shell.wait()
-        _kill_all(mesh_pids)
 
 
 @pytest.mark.model
 def test_llmmesh_up_started_outside_make_outlives_its_parent(tmp_path):
     """Started with nohup by a script that then exits (`nohup llmmesh up &`), the mesh keeps
     running, through SIGHUP too; it stops on SIGTERM as before."""
-    shell, log = _start_up(tmp_path, under_make=False, nohup=True)
-    mesh_pids: list[int] = []
-    try:
-        mesh_pids = _descendants(shell.pid)
+    with _mesh_up(tmp_path, under_make=False, nohup=True) as (shell, log, mesh_pids):
         assert len(mesh_pids) >= 6, mesh_pids
         up_pid = mesh_pids[0]   # bash's only child
         shell.send_signal(signal.SIGKILL)
@@ -184,7 +177,3 @@ def test_llmmesh_up_started_outside_make_outlives_its_parent(tmp_path):
         os.kill(up_pid, signal.SIGTERM)
         assert _wait_gone(mesh_pids, 60) == [], log.read_text()
         assert "stopped." in log.read_text()
-    finally:
-        shell.kill()
-        shell.wait()
-        _kill_all(mesh_pids)

@@ -336,10 +336,7 @@ void set_tunable(const std::string& name, double value) {
     TORCH_CHECK(value >= 1.0 && value <= 256.0, "attention_ahead: 1-256 keys, got ", value);
     llmk_avx512::set_prefetch_keys(static_cast<int>(value));
   }
-  else if (name == "pair_next") {
-    g_pair_next = value != 0.0;
-    llmk_vnni::set_pair_next(g_pair_next);
-  }
+  else if (name == "pair_next") g_pair_next = value != 0.0;
   else TORCH_CHECK(false, "unknown tunable ", name);
 }
 

@@ -163,11 +163,6 @@ inline __m512i dot32(const __m512i (&w)[8], const int8_t* xp) {
   return _mm512_add_epi32(s0, s1);
 }
 
-// Whether `pf` is a lead of whole tile pairs (qgemm.cpp's g_pair_next): then a pair's scales
-// lead by pf / 8 elements (an int4 tile's scales are 1/8 of its weight bytes, in uint16s), else by
-// the old pf / 4.
-bool g_pair_next = true;
-
 template <int R, bool kSide>
 void pair_int8(const int8_t* w0, const int8_t* w1, const llmk_vnni::Rows& a, int64_t r0,
                float* out, int64_t pf, llmk::SideCursor* side) {
@@ -221,9 +216,9 @@ void pair_int4(const uint8_t* w0, const uint8_t* w1, const uint16_t* sm0, const 
     if (pf) {
       prefetch_lines(w0 + g * 128 + pf, 2);
       prefetch_lines(w1 + g * 128 + pf, 2);
-      if ((g & 1) == 0) {
-        prefetch_lines(sm0 + g * 16 + pf / (g_pair_next ? 8 : 4), 1);
-        prefetch_lines(sm1 + g * 16 + pf / (g_pair_next ? 8 : 4), 1);
+      if ((g & 1) == 0) {   // a tile's scales, in uint16s, number 1/8 of its weight bytes
+        prefetch_lines(sm0 + g * 16 + pf / 8, 1);
+        prefetch_lines(sm1 + g * 16 + pf / 8, 1);
       }
     }
     __m512i wv[8];   // low nibbles (k = 8p + j) at 2p, high ones (k + 4) at 2p + 1
@@ -319,8 +314,6 @@ void tile(int rows, bool int4, const void* w, const uint16_t* sm, const Acts& a,
 #pragma GCC pop_options
 
 namespace llmk_vnni {
-
-void set_pair_next(bool on) { g_pair_next = on; }
 
 bool cpu_supported() {
   __builtin_cpu_init();

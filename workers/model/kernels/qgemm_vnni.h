@@ -18,9 +18,6 @@ struct Acts {
   int64_t groups;
 };
 
-// Whether pair()'s prefetch_bytes is a lead of whole tile pairs (qgemm.cpp: g_pair_next).
-void set_pair_next(bool on);
-
 // True when this CPU has avx512f/bw/vl/dq/vnni (checked with cpuid, not compiler flags).
 bool cpu_supported();
 
@@ -49,7 +46,8 @@ struct Rows {
 // out[r][16] = rows r0 .. r0 + rows - 1 (rows <= kMaxRows) against two 8-channel weight tiles
 // (w0's channels in out[r][0..7], w1's in out[r][8..15]), as tile() does for one.
 // `side` (may be null) issues its prefetches between the 32-blocks (side_prefetch.h).
-// prefetch_bytes: how far ahead of w0 and w1 to prefetch (0: not at all).
+// prefetch_bytes: how far ahead of w0 and w1 to prefetch (0: not at all); int4 scales lead by
+// an eighth of it (their share of a tile).
 void pair(int rows, bool int4, const void* w0, const void* w1, const uint16_t* sm0,
           const uint16_t* sm1, const Rows& a, int64_t r0, float* out, int64_t prefetch_bytes,
           llmk::SideCursor* side);
